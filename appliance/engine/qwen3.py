@@ -1,0 +1,142 @@
+"""The Qwen3 decoder (also Qwen2 and Llama, which differ only by config flags): RMSNorm, per-head q/k RMSNorm,
+rotary embeddings (rotate-half), grouped-query attention over a KVCache, and a SwiGLU MLP.
+
+Policy: all activations are float32. Weights are called through the objects in weights.py (or quantized
+equivalents), the KV cache is passed in, and a layer's MLP is any callable, so the mixture-of-experts block
+drops in unchanged. `forward_hidden` is split out so the vision-language model can feed its own embeddings,
+positions and per-layer additions (DeepStack).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .config import Qwen3Config
+from .kv_cache import KVCache
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    var = np.mean(x * x, axis=-1, keepdims=True)
+    return x / np.sqrt(var + eps) * w
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def rope_cos_sin(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))  # (hd/2,)
+    ang = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # (T, hd/2)
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate-half RoPE on x (n, T, hd) with cos/sin (T, hd/2)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+class SwiGLU:
+    def __init__(self, gate, up, down):
+        self.gate, self.up, self.down = gate, up, down
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return self.down(silu(self.gate(x)) * self.up(x))  # (T, hidden)
+
+
+@dataclass
+class Attention:
+    q: Callable
+    k: Callable
+    v: Callable
+    o: Callable
+    q_norm: np.ndarray | None = None  # (hd,)
+    k_norm: np.ndarray | None = None
+    q_bias: np.ndarray | None = None
+    k_bias: np.ndarray | None = None
+    v_bias: np.ndarray | None = None
+
+
+@dataclass
+class Layer:
+    attn_norm: np.ndarray  # (hidden,)
+    attn: Attention
+    mlp_norm: np.ndarray
+    mlp: Callable  # (T, hidden) -> (T, hidden)
+
+
+@dataclass
+class Qwen3Model:
+    config: Qwen3Config
+    embed: object  # .rows(ids) -> (T, hidden)
+    layers: list[Layer]
+    norm: np.ndarray
+    lm_head: Callable  # (T, hidden) -> (T, vocab)
+
+    def new_cache(self, max_len: int) -> KVCache:
+        c = self.config
+        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len)
+
+    def forward(self, tokens: np.ndarray, cache: KVCache, logits: str = "last") -> np.ndarray | None:
+        return forward(self, tokens, cache, logits)
+
+
+def attention(cfg: Qwen3Config, a: Attention, x: np.ndarray, cache: KVCache, layer: int,
+              cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    T = x.shape[0]
+    H, KV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q, k, v = a.q(x), a.k(x), a.v(x)  # (T, H*hd), (T, KV*hd), (T, KV*hd)
+    if a.q_bias is not None:
+        q, k, v = q + a.q_bias, k + a.k_bias, v + a.v_bias
+    q = q.reshape(T, H, hd)
+    k = k.reshape(T, KV, hd)
+    if a.q_norm is not None:
+        q = rms_norm(q, a.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k, a.k_norm, cfg.rms_norm_eps)
+    q = apply_rope(q.transpose(1, 0, 2), cos, sin)  # (H, T, hd)
+    k = apply_rope(k.transpose(1, 0, 2), cos, sin)  # (KV, T, hd)
+    v = v.reshape(T, KV, hd).transpose(1, 0, 2)  # (KV, T, hd)
+    keys, values = cache.update(layer, k, v)  # (KV, S, hd)
+    S = keys.shape[1]
+    g = q.reshape(KV, cfg.n_rep * T, hd)  # heads sharing a KV head, stacked: (KV, n_rep*T, hd)
+    scores = g @ keys.transpose(0, 2, 1) * np.float32(1.0 / np.sqrt(hd))  # (KV, n_rep*T, S)
+    scores = scores.reshape(KV, cfg.n_rep, T, S)
+    start = S - T
+    if T > 1:  # causal: query i sees keys 0..start+i
+        mask = np.arange(S)[None, :] > (start + np.arange(T))[:, None]  # (T, S)
+        scores = np.where(mask, np.float32(-np.inf), scores)
+    scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = scores.reshape(KV, cfg.n_rep * T, S) @ values  # (KV, n_rep*T, hd)
+    out = out.reshape(H, T, hd).transpose(1, 0, 2).reshape(T, H * hd)
+    return a.o(out)  # (T, hidden)
+
+
+def forward_hidden(model: Qwen3Model, h: np.ndarray, cache: KVCache, cos: np.ndarray, sin: np.ndarray,
+                   after_layer: Callable[[int, np.ndarray], np.ndarray] | None = None) -> np.ndarray:
+    """Run every decoder layer on hidden states h (T, hidden) at the rotary angles cos/sin (T, hd/2);
+    commits the T tokens to the cache and returns the final-normed hidden states (T, hidden)."""
+    cfg = model.config
+    for i, layer in enumerate(model.layers):
+        h = h + attention(cfg, layer.attn, rms_norm(h, layer.attn_norm, cfg.rms_norm_eps), cache, i, cos, sin)
+        h = h + layer.mlp(rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps))
+        if after_layer is not None:
+            h = after_layer(i, h)
+    cache.commit(h.shape[0])
+    return rms_norm(h, model.norm, cfg.rms_norm_eps)
+
+
+def forward(model: Qwen3Model, tokens: np.ndarray, cache: KVCache, logits: str = "last") -> np.ndarray | None:
+    """Append tokens (T,) to the sequence in cache. logits: 'last' -> (vocab,), 'all' -> (T, vocab), 'none'."""
+    cfg = model.config
+    positions = cache.length + np.arange(len(tokens))
+    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+    h = forward_hidden(model, model.embed.rows(np.asarray(tokens)), cache, cos, sin)  # (T, hidden)
+    if logits == "none":
+        return None
+    if logits == "last":
+        return model.lm_head(h[-1:])[0]  # (vocab,)
+    return model.lm_head(h)  # (T, vocab)
