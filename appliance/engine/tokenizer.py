@@ -1,0 +1,169 @@
+"""Tokenizer: the model's own `tokenizer.json`, run by the `tokenizers` library.
+
+Policies:
+- encode() never adds BOS/EOS or post-processor tokens unless asked: prompts come from the chat template,
+  which writes its own control tokens (transformers tokenizes chat-template output the same way). Added
+  tokens written in the text (<|im_start|>, <think>, ...) are recognised as single tokens.
+- token_bytes() is the streaming primitive: the exact bytes one token stands for, from a table built once
+  at load. Byte-level BPE tokens map back through GPT-2's byte<->unicode table; SentencePiece-style vocabularies
+  (byte fallback `<0xNN>`, `▁` for space) are handled too, so a GGUF loader can reuse this class.
+  Added tokens marked special (special=True) yield b"" when skipping special tokens, like decode(); the others
+  (<think>, <tool_call>, ...) are text and always yield their content.
+- Ids the vocabulary does not know (a model's embedding matrix is often padded past the tokenizer) decode
+  to nothing rather than failing, as the `tokenizers` decoder does.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Iterable
+
+import tokenizers
+from tokenizers import decoders
+
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _token_content(value) -> str | None:
+    """A special-token entry of tokenizer_config.json: a string, an AddedToken dict, or null."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        return value.get("content")
+    if isinstance(value, str):
+        return value
+    raise ValueError(f"unexpected special token entry in tokenizer_config.json: {value!r}")
+
+
+def _is_byte_level(tk: tokenizers.Tokenizer) -> bool:
+    if isinstance(tk.decoder, decoders.ByteLevel):
+        return True
+    # A Sequence decoder cannot be inspected from Python: fall back to the serialized form (small part only).
+    if isinstance(tk.decoder, decoders.Sequence):
+        return '"ByteLevel"' in json.dumps(json.loads(tk.to_str()).get("decoder"))
+    return False
+
+
+class Tokenizer:
+    """Encode/decode text for one model. Build with from_dir(), or directly from a `tokenizers.Tokenizer`."""
+
+    def __init__(self, tk: tokenizers.Tokenizer, *, eos_token: str | None = None, bos_token: str | None = None,
+                 special_tokens: dict[str, str] | None = None, special_ids: Iterable[int] | None = None,
+                 byte_level: bool | None = None):
+        """special_tokens: the named tokens (bos_token, eos_token, pad_token, ...) a chat template sees.
+        special_ids: the ids skipped by decode/token_bytes; default: the added tokens marked special=True.
+        byte_level: whether the vocabulary is byte-level BPE; default: read from the tokenizer's decoder."""
+        self._tk = tk
+        named = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+        if eos_token is not None:
+            named["eos_token"] = eos_token
+        if bos_token is not None:
+            named["bos_token"] = bos_token
+        self.special_tokens: dict[str, str] = named
+        added = tk.get_added_tokens_decoder()  # {id: AddedToken}
+        if special_ids is None:
+            special_ids = [i for i, t in added.items() if t.special]
+        self.special_ids: frozenset[int] = frozenset(special_ids)
+        self.added_ids: frozenset[int] = frozenset(added) | self.special_ids
+        self.vocab_size: int = tk.get_vocab_size(with_added_tokens=True)
+        for name, content in named.items():
+            if tk.token_to_id(content) is None:
+                raise ValueError(f"{name} {content!r} is not in the vocabulary")
+        self._table = self._build_byte_table(tk, added, _is_byte_level(tk) if byte_level is None else byte_level)
+
+    @classmethod
+    def from_dir(cls, model_dir: str) -> "Tokenizer":
+        """Load tokenizer.json (+ tokenizer_config.json when present) from a Hugging Face model directory."""
+        path = os.path.join(model_dir, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{model_dir}: no tokenizer.json")
+        tk = tokenizers.Tokenizer.from_file(path)
+        cfg = {}
+        cfg_path = os.path.join(model_dir, "tokenizer_config.json")
+        if os.path.isfile(cfg_path):
+            with open(cfg_path, encoding="utf-8") as f:
+                cfg = json.load(f)
+        named = {k: _token_content(cfg.get(k)) for k in NAMED_SPECIAL_TOKENS}
+        return cls(tk, special_tokens=named)
+
+    @staticmethod
+    def _build_byte_table(tk: tokenizers.Tokenizer, added: dict, byte_level: bool) -> list[bytes]:
+        vocab = tk.get_vocab(with_added_tokens=True)  # {token string: id}
+        table = [b""] * (max(vocab.values(), default=-1) + 1)
+        u2b = {c: b for b, c in bytes_to_unicode().items()}
+        for piece, i in vocab.items():
+            if i in added:
+                table[i] = added[i].content.encode("utf-8")
+            elif byte_level:
+                try:
+                    table[i] = bytes(u2b[c] for c in piece)
+                except KeyError:  # not a byte-level piece (should not happen): keep its text
+                    table[i] = piece.encode("utf-8")
+            else:
+                m = _BYTE_FALLBACK.match(piece)
+                table[i] = bytes([int(m.group(1), 16)]) if m else piece.replace("\u2581", " ").encode("utf-8")
+        return table
+
+    # -- names and ids -------------------------------------------------------------------------------------------
+    @property
+    def eos_token(self) -> str | None:
+        return self.special_tokens.get("eos_token")
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.special_tokens.get("bos_token")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return None if self.eos_token is None else self.id_of(self.eos_token)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return None if self.bos_token is None else self.id_of(self.bos_token)
+
+    def id_of(self, token: str) -> int | None:
+        """The id of one vocabulary entry (e.g. "<|im_end|>"), or None when it has none."""
+        return self._tk.token_to_id(token)
+
+    def token_text(self, token_id: int) -> str | None:
+        """The vocabulary entry of an id as stored (byte-level pieces look like 'Ġthe'), None when unknown."""
+        return self._tk.id_to_token(token_id)
+
+    # -- text <-> ids --------------------------------------------------------------------------------------------
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of text. add_special_tokens=True runs the tokenizer's post-processor (e.g. adds a BOS)."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode() takes a str, not {type(text).__name__}")
+        return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes:
+        """The raw bytes token_id stands for (may be part of a UTF-8 character); b"" for unknown ids."""
+        if skip_special_tokens and token_id in self.special_ids:
+            return b""
+        if 0 <= token_id < len(self._table):
+            return self._table[token_id]
+        return b""
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size}, eos_token={self.eos_token!r})"
