@@ -1,0 +1,62 @@
+"""systemd service notifications (sd_notify) over $NOTIFY_SOCKET with a plain datagram socket.
+
+Policy: every call is a no-op returning False when the process is not run by systemd with Type=notify
+(no $NOTIFY_SOCKET), so the server calls these unconditionally. Sending never blocks and never raises: a
+notification that cannot be delivered is dropped (systemd then acts on the missing READY/WATCHDOG, which
+is the right signal). The watchdog interval is half of $WATCHDOG_USEC, as sd_watchdog_enabled() advises.
+
+Server side, the whole API:
+    notify_ready()            once the model is loaded and the socket listens
+    watchdog_interval()       seconds between pings, or None when the unit has no WatchdogSec=
+    notify_watchdog()         every watchdog_interval() seconds, from a task that proves the loop is alive
+    notify_stopping()         when shutdown begins (SIGTERM)
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+
+def _address() -> str | None:
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr or addr[0] not in "/@":
+        return None
+    return "\0" + addr[1:] if addr[0] == "@" else addr  # '@' marks a Linux abstract socket
+
+
+def notify(state: str) -> bool:
+    """Send one sd_notify message (e.g. "READY=1\\nSTATUS=serving"); True when it was handed to systemd."""
+    addr = _address()
+    if addr is None:
+        return False
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.setblocking(False)
+            sock.sendto(state.encode("utf-8"), addr)
+        return True
+    except OSError:
+        return False
+
+
+def notify_ready(status: str = "") -> bool:
+    return notify("READY=1" + (f"\nSTATUS={status}" if status else "") + f"\nMAINPID={os.getpid()}")
+
+
+def notify_watchdog() -> bool:
+    return notify("WATCHDOG=1")
+
+
+def notify_stopping(status: str = "") -> bool:
+    return notify("STOPPING=1" + (f"\nSTATUS={status}" if status else ""))
+
+
+def watchdog_interval() -> float | None:
+    """Seconds between WATCHDOG=1 pings (half the unit's WatchdogSec), or None when no watchdog is armed."""
+    try:
+        usec = int(os.environ.get("WATCHDOG_USEC", ""))
+    except ValueError:
+        return None
+    pid = os.environ.get("WATCHDOG_PID")
+    if usec <= 0 or (pid and pid != str(os.getpid())):
+        return None
+    return usec / 2e6
