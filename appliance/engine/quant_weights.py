@@ -1,0 +1,73 @@
+"""Weights served in their stored form: GGUF block-quantized tensors (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) and
+16/32-bit float tensors (F16, BF16, F32), with the same protocol as weights.DenseWeight: `shape` (out, in),
+`__call__(x (T, in)) -> (T, out)` float32 and `rows(ids) -> (T, in)` float32.
+
+Policy: the block data stays the memory-mapped bytes of the file; it is never expanded to float as a whole.
+With the native library, products run in C (activations rounded to 8-bit blocks for the quantized types,
+as llama.cpp does); without it, the numpy path dequantizes a bounded slab of rows at a time and multiplies
+in float32, so memory stays bounded and results stay close to the float reference.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from appliance.native import kernels
+from appliance.native.dequant_numpy import dequantize, get_rows
+from appliance.native.qtypes import QType, qtype_of, row_bytes
+
+_SLAB_ELEMS = 1 << 22  # numpy path: dequantize at most this many weights (16 MB of float32) at a time
+
+
+class QuantWeight:
+    """A linear weight / embedding table over raw GGML data of type `qtype`, logical shape (out, in)."""
+
+    def __init__(self, qtype, shape, raw: np.ndarray, native: bool | None = None):
+        self.qtype = qtype_of(qtype)
+        out, n = (int(s) for s in shape)
+        self.shape = (out, n)
+        rb = row_bytes(self.qtype, n)
+        raw = np.asarray(raw)
+        if raw.nbytes != out * rb:
+            raise ValueError(f"{self.qtype.name} tensor of shape {self.shape} needs {out * rb} bytes, "
+                             f"got {raw.nbytes}")
+        if not raw.flags.c_contiguous:
+            raise ValueError("tensor data must be contiguous")
+        self.raw = raw.reshape(-1).view(np.uint8).reshape(out, rb)  # (out, row_bytes), zero-copy
+        self.nbytes = self.raw.nbytes
+        self.native = kernels.available() if native is None else (native and kernels.available())
+
+    def __repr__(self) -> str:
+        return f"QuantWeight({self.qtype.name}, {self.shape}, native={self.native})"
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)  # (T, in)
+        if x.ndim != 2 or x.shape[1] != self.shape[1]:
+            raise ValueError(f"input of shape {x.shape} does not fit a weight of shape {self.shape}")
+        if self.native:
+            return kernels.matmul(self.qtype, self.raw, x)  # (T, out)
+        if self.qtype == QType.F32:
+            return x @ self.raw.view(np.float32).T
+        out = np.empty((x.shape[0], self.shape[0]), np.float32)  # (T, out)
+        step = max(1, _SLAB_ELEMS // self.shape[1])
+        for r in range(0, self.shape[0], step):
+            out[:, r:r + step] = x @ dequantize(self.qtype, self.raw[r:r + step]).T
+        return out
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.shape[0]):
+            raise IndexError(f"row id out of range 0..{self.shape[0] - 1}")
+        if self.native:
+            return kernels.get_rows(self.qtype, self.raw, ids)  # (T, in)
+        return get_rows(self.qtype, self.raw, ids)
+
+    def dequantize(self) -> np.ndarray:
+        """The whole matrix in float32 (out, in): for references and tests, not for serving."""
+        return dequantize(self.qtype, self.raw)
+
+
+def half_weight(w: np.ndarray, dtype: str) -> QuantWeight:
+    """Serve a safetensors F16/BF16/F32 tensor (out, in) in place: `dtype` is the safetensors dtype name
+    ('F16', 'BF16' or 'F32'); BF16 arrives as its uint16 bits, as safetensors.py returns it."""
+    qtype = {"F16": QType.F16, "BF16": QType.BF16, "F32": QType.F32}[dtype]
+    return QuantWeight(qtype, w.shape, w)

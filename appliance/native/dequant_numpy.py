@@ -1,0 +1,103 @@
+"""Numpy twins of the C dequantizers: GGML block data (R, row_bytes) uint8 -> (R, n) float32.
+
+Policy: each function mirrors the C reference arithmetic (float32, same operation order), so the C
+dequantizer equals its twin exactly; both are checked against `gguf.quants.dequantize`, which nobody here
+wrote. Block layouts are those of ggml-common.h.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .qtypes import BLOCK, QK, QK_K, QType, row_bytes
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Two uint8 columns (..., 2) holding a little-endian float16 -> float32 (...)."""
+    return np.ascontiguousarray(b).view("<f2")[..., 0].astype(np.float32)
+
+
+def _blocks(w: np.ndarray, qtype: QType) -> np.ndarray:
+    bs, nbytes = BLOCK[qtype]
+    w = np.ascontiguousarray(w).view(np.uint8)
+    return w.reshape(w.shape[0], -1, nbytes)  # (R, nb, block bytes)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """(..., 16) packed bytes -> (..., 32): low nibbles are elements 0..15, high nibbles 16..31."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def q4k_scales_mins(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 12 packed bytes of a Q4_K super-block (..., 12) -> 6-bit scales and mins (..., 8) as int32."""
+    sc = sc.astype(np.int32)
+    lo, hi = sc[..., 0:4], sc[..., 4:8]
+    mix = sc[..., 8:12]
+    scales = np.concatenate([lo & 63, (mix & 0x0F) | ((lo >> 6) << 4)], axis=-1)
+    mins = np.concatenate([hi & 63, (mix >> 4) | ((hi >> 6) << 4)], axis=-1)
+    return scales, mins
+
+
+def q6k_values(ql: np.ndarray, qh: np.ndarray) -> np.ndarray:
+    """Q6_K packed low bits (..., 128) and high bits (..., 64) -> 6-bit unsigned values (..., 256) int32."""
+    ql = ql.astype(np.int32).reshape(*ql.shape[:-1], 2, 64)  # two halves of 128 elements
+    qh = qh.astype(np.int32).reshape(*qh.shape[:-1], 2, 32)
+    lo = np.concatenate([ql[..., 0:32] & 0x0F, ql[..., 32:64] & 0x0F, ql[..., 0:32] >> 4, ql[..., 32:64] >> 4],
+                        axis=-1)  # (..., 2, 128)
+    hi = np.concatenate([qh & 3, (qh >> 2) & 3, (qh >> 4) & 3, (qh >> 6) & 3], axis=-1)  # (..., 2, 128)
+    return (lo | (hi << 4)).reshape(*lo.shape[:-2], QK_K)
+
+
+def dequantize(qtype, w: np.ndarray) -> np.ndarray:
+    """Dequantize whole rows: w (R, row_bytes) uint8 (or a float array for F32/F16) -> (R, n) float32."""
+    qtype = QType(int(qtype))
+    w = np.asarray(w)
+    if w.ndim == 1:
+        w = w[None, :]
+    R = w.shape[0]
+    if qtype == QType.F32:
+        return np.ascontiguousarray(w).view("<f4").reshape(R, -1).astype(np.float32, copy=False)
+    if qtype == QType.F16:
+        return np.ascontiguousarray(w).view("<f2").reshape(R, -1).astype(np.float32)
+    if qtype == QType.BF16:
+        bits = np.ascontiguousarray(w).view("<u2").reshape(R, -1).astype(np.uint32) << 16
+        return bits.view(np.float32)
+    b = _blocks(w, qtype)  # (R, nb, bytes)
+    nb = b.shape[1]
+    if qtype == QType.Q8_0:
+        d = _f16(b[..., 0:2])[..., None]  # (R, nb, 1)
+        q = b[..., 2:].view(np.int8).astype(np.float32)  # (R, nb, 32)
+        y = d * q
+    elif qtype == QType.Q4_0:
+        d = _f16(b[..., 0:2])[..., None]
+        q = (_nibbles(b[..., 2:]).astype(np.int8) - 8).astype(np.float32)
+        y = d * q
+    elif qtype == QType.Q4_1:
+        d = _f16(b[..., 0:2])[..., None]
+        m = _f16(b[..., 2:4])[..., None]
+        y = d * _nibbles(b[..., 4:]).astype(np.float32) + m
+    elif qtype == QType.Q4_K:
+        d = _f16(b[..., 0:2])[..., None]  # (R, nb, 1)
+        dmin = _f16(b[..., 2:4])[..., None]
+        sc, mn = q4k_scales_mins(b[..., 4:16])  # (R, nb, 8)
+        d1 = (d * sc.astype(np.float32))[..., None]  # (R, nb, 8, 1)
+        m1 = (dmin * mn.astype(np.float32))[..., None]
+        qs = b[..., 16:].reshape(R, nb, 4, 32)  # four 64-element chunks: low nibbles then high nibbles
+        q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(R, nb, 8, 32).astype(np.float32)
+        y = d1 * q - m1
+    elif qtype == QType.Q6_K:
+        ql, qh = b[..., 0:128], b[..., 128:192]
+        sc = b[..., 192:208].view(np.int8).astype(np.float32)  # (R, nb, 16)
+        d = _f16(b[..., 208:210])[..., None]
+        q = (q6k_values(ql, qh) - 32).astype(np.float32).reshape(R, nb, 16, 16)
+        y = (d * sc)[..., None] * q
+    else:  # pragma: no cover - QType is closed
+        raise ValueError(qtype)
+    return y.reshape(R, nb * BLOCK[qtype][0]).astype(np.float32, copy=False)
+
+
+def get_rows(qtype, w: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Dequantize only rows `ids` of w: (T,) -> (T, n) float32 (embedding lookup)."""
+    return dequantize(qtype, np.asarray(w)[np.asarray(ids, dtype=np.int64)])
+
+
+__all__ = ["dequantize", "get_rows", "q4k_scales_mins", "q6k_values", "row_bytes", "QK", "QK_K"]
