@@ -149,6 +149,11 @@ def test_top_p_draws_follow_the_renormalized_set():
 def test_top_p_boundary_ties_keep_the_lowest_ids():
     lg = np.zeros(8, dtype=np.float32)                          # uniform: top_p 0.3 keeps 3 of 8 (0, .125, .25 < .3)
     assert Sampler(SamplingParams(top_p=0.3), 8).candidates(lg)[0].tolist() == [0, 1, 2]
+    # exactly at the boundary (masses are exact in binary): a token with .5 before it is dropped at top_p .5,
+    # as transformers drops tokens whose mass at-or-below is <= 1 - top_p.
+    lg4 = np.zeros(4, dtype=np.float32)
+    ours = Sampler(SamplingParams(top_p=0.5), 4).candidates(lg4)[0]
+    assert ours.tolist() == [0, 1] and len(hf_candidates(lg4, SamplingParams(top_p=0.5))[0]) == 2
 
 
 def test_min_p_keeps_tokens_above_the_scaled_threshold():
