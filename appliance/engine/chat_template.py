@@ -1,0 +1,236 @@
+"""ChatTemplate: the model's own Jinja chat template, rendered the way transformers renders it.
+
+Policies:
+- Templates are untrusted code from a model download: they run in jinja2's ImmutableSandboxedEnvironment
+  with exactly the helpers transformers gives them (trim_blocks, lstrip_blocks, loopcontrols, tojson without
+  ASCII escaping, raise_exception, strftime_now, a namespace that refuses underscore names) and nothing more.
+- The data a template sees is prepared as transformers' apply_chat_template prepares it: keys whose value is
+  None are dropped from messages, only plain JSON data is passed, `thinking`/`reasoning` are aliased to
+  `reasoning_content`, and the tokenizer's named special tokens (bos_token, eos_token, ...) are variables.
+  Extra keyword arguments (enable_thinking, ...) pass through as variables and override those.
+- Where the template comes from, first found wins (transformers' order): chat_template.jinja (plus named
+  templates in additional_chat_templates/), tokenizer_config.json `chat_template` (a string or a list of
+  {name, template}), chat_template.json. With several named templates, `tool_use` is used when tools are
+  given and it exists, else `default`.
+- Any failure while rendering (a raise_exception() in the template, a type error on malformed messages, a
+  sandbox violation) surfaces as ChatTemplateError, a ValueError the server turns into a 400.
+"""
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from typing import Any, Mapping
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.utils
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from appliance.engine.tokenizer import NAMED_SPECIAL_TOKENS, _token_content
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class ChatTemplateError(ValueError):
+    """The chat template could not be loaded or rendered for these messages."""
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """jinja's namespace() that refuses underscore-prefixed attributes (no reaching CPython internals)."""
+
+    def __init__(*args, **kwargs):  # same signature trick as jinja2.utils.Namespace
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attribute {name!r}")
+
+
+class _TemplateDict:
+    """`dict` for templates: calling and fromkeys only."""
+
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask marker): renders its body as is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt):
+    return datetime.now().strftime(fmt)
+
+
+def make_environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
+    return env
+
+
+def plain_data(value: Any) -> Any:
+    """Rebuild value out of plain JSON types (str/int/float/bool/None/dict/list/tuple) only."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {plain_data(k): plain_data(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain_data(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(plain_data(v) for v in value)
+    if hasattr(value, "item") and callable(value.item):  # numpy scalars
+        return plain_data(value.item())
+    return f"<{type(value).__name__}>"
+
+
+def prepare_messages(messages: Any) -> list[dict]:
+    """Messages as the template sees them: plain dicts, None-valued keys dropped, reasoning aliases filled."""
+    if not isinstance(messages, (list, tuple)):
+        raise ChatTemplateError("messages must be a list of objects")
+    out = []
+    for m in messages:
+        if not isinstance(m, Mapping):
+            raise ChatTemplateError(f"each message must be an object, got {type(m).__name__}")
+        m = plain_data({k: v for k, v in m.items() if v is not None})
+        reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        out.append(m)
+    return out
+
+
+class ChatTemplate:
+    """One model's chat template(s): render(messages, tools, add_generation_prompt, **kwargs) -> prompt text."""
+
+    def __init__(self, template: str | Mapping[str, str], special_tokens: Mapping[str, str | None] | None = None):
+        templates = {"default": template} if isinstance(template, str) else dict(template)
+        if not templates or not all(isinstance(t, str) for t in templates.values()):
+            raise ChatTemplateError("chat template must be a string or a mapping of names to strings")
+        env = make_environment()
+        self._compiled = {}
+        for name, source in templates.items():
+            try:
+                self._compiled[name] = env.from_string(source)
+            except jinja2.TemplateSyntaxError as e:
+                raise ChatTemplateError(f"chat template {name!r} does not compile: {e} (line {e.lineno})") from e
+        self.sources: dict[str, str] = templates
+        self.special_tokens: dict[str, str] = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+
+    @classmethod
+    def from_dir(cls, model_dir: str, special_tokens: Mapping[str, str | None] | None = None) -> "ChatTemplate":
+        """Load the template of a Hugging Face model directory; special tokens default to tokenizer_config's."""
+        cfg = {}
+        cfg_path = os.path.join(model_dir, "tokenizer_config.json")
+        if os.path.isfile(cfg_path):
+            with open(cfg_path, encoding="utf-8") as f:
+                cfg = json.load(f)
+        if special_tokens is None:
+            special_tokens = {k: _token_content(cfg.get(k)) for k in NAMED_SPECIAL_TOKENS}
+        templates = _templates_in_dir(model_dir, cfg)
+        if templates is None:
+            raise ChatTemplateError(f"{model_dir}: no chat template (chat_template.jinja or tokenizer_config.json)")
+        return cls(templates, special_tokens)
+
+    def source_for(self, tools: Any = None) -> str:
+        return self.sources[self._pick(tools)]
+
+    def _pick(self, tools: Any) -> str:
+        if len(self._compiled) == 1:
+            return next(iter(self._compiled))
+        if tools is not None and "tool_use" in self._compiled:
+            return "tool_use"
+        if "default" in self._compiled:
+            return "default"
+        raise ChatTemplateError(f"several chat templates and none named 'default': {sorted(self._compiled)}")
+
+    def render(self, messages: list[Mapping[str, Any]], tools: list[Mapping[str, Any]] | None = None,
+               add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """The prompt text for messages. kwargs (enable_thinking=..., documents=...) become template variables."""
+        chat = prepare_messages(messages)
+        if tools is not None and (not isinstance(tools, (list, tuple))
+                                  or not all(isinstance(t, Mapping) for t in tools)):
+            raise ChatTemplateError("tools must be a list of JSON schema objects")
+        variables = {**self.special_tokens, **plain_data(kwargs)}
+        variables.setdefault("documents", None)
+        try:
+            return self._compiled[self._pick(tools)].render(
+                messages=chat, tools=plain_data(tools), add_generation_prompt=add_generation_prompt, **variables)
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as e:  # raise_exception(), undefined calls, sandbox violations
+            raise ChatTemplateError(f"chat template error: {e.message or e}") from e
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError,
+                RecursionError, OverflowError) as e:  # malformed messages reaching template operators
+            raise ChatTemplateError(f"chat template failed on these messages: {type(e).__name__}: {e}") from e
+
+
+def _templates_in_dir(model_dir: str, cfg: Mapping[str, Any]) -> dict[str, str] | None:
+    templates: dict[str, str] = {}
+    main = os.path.join(model_dir, "chat_template.jinja")
+    if os.path.isfile(main):
+        templates["default"] = _read(main)
+    extra_dir = os.path.join(model_dir, "additional_chat_templates")
+    if os.path.isdir(extra_dir):
+        for name in sorted(os.listdir(extra_dir)):
+            if name.endswith(".jinja"):
+                templates[name[: -len(".jinja")]] = _read(os.path.join(extra_dir, name))
+    if templates:
+        return templates
+    found = cfg.get("chat_template")
+    legacy = os.path.join(model_dir, "chat_template.json")
+    if found is None and os.path.isfile(legacy):
+        with open(legacy, encoding="utf-8") as f:
+            found = json.load(f).get("chat_template")
+    if found is None:
+        return None
+    if isinstance(found, str):
+        return {"default": found}
+    if isinstance(found, list) and all(isinstance(t, Mapping) and "name" in t and "template" in t for t in found):
+        return {t["name"]: t["template"] for t in found}
+    raise ChatTemplateError(f"{model_dir}: unrecognised chat_template entry of type {type(found).__name__}")
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
