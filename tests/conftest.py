@@ -35,3 +35,23 @@ def tiny_qwen3_untied(tmp_path_factory) -> str:
 def qwen3_chat_template() -> str:
     with open(os.path.join(FIXTURES, "qwen3", "chat_template.jinja"), encoding="utf-8") as f:
         return f.read()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory) -> str:
+    """16 experts, top-4, norm_topk_prob, every layer sparse."""
+    return tiny_models.build_qwen3_moe(str(tmp_path_factory.mktemp("tiny-moe")), seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_unnormed(tmp_path_factory) -> str:
+    """norm_topk_prob false, tied embeddings."""
+    return tiny_models.build_qwen3_moe(str(tmp_path_factory.mktemp("tiny-moe-unnormed")), seed=4,
+                                       norm_topk_prob=False, tie=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_mlp_only(tmp_path_factory) -> str:
+    """Layer 1 dense (mlp_only_layers), top-2 of 8 experts."""
+    return tiny_models.build_qwen3_moe(str(tmp_path_factory.mktemp("tiny-moe-mlp-only")), seed=5,
+                                       experts=8, top_k=2, mlp_only_layers=(1,), layers=3)

@@ -22,3 +22,20 @@ class DenseWeight:
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         return np.asarray(self.w[ids], dtype=np.float32)  # (T, in)
+
+
+class HalfWeight:
+    """A BF16 or F16 (out, in) matrix kept as its memory-mapped bits and widened to float32 at each use.
+    For weights read rarely (mixture-of-experts experts), so memory follows what is used, not the file."""
+
+    def __init__(self, raw: np.ndarray, dtype: str):
+        self.raw, self.dtype = raw, dtype  # (out, in) uint16 (BF16 bits) or float16
+        self.shape = raw.shape
+
+    def widen(self) -> np.ndarray:
+        if self.dtype == "BF16":
+            return (self.raw.astype(np.uint32) << 16).view(np.float32)
+        return self.raw.astype(np.float32)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return x @ self.widen().T  # (T, in) -> (T, out)

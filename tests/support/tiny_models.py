@@ -77,3 +77,34 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+def build_qwen3_moe(out_dir: str, *, hidden: int = 64, layers: int = 3, heads: int = 4, kv_heads: int = 2,
+                    head_dim: int = 16, experts: int = 16, top_k: int = 4, moe_intermediate: int = 32,
+                    intermediate: int = 96, norm_topk_prob: bool = True, mlp_only_layers=(), sparse_step: int = 1,
+                    tie: bool = False, seed: int = 0, init_std: float = 0.2) -> str:
+    """A tiny random Qwen3MoeForCausalLM (16 experts, top-4 by default) saved in bf16."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    os.makedirs(out_dir, exist_ok=True)
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(vocab_size=151936, hidden_size=hidden, intermediate_size=intermediate,
+                         moe_intermediate_size=moe_intermediate, num_experts=experts, num_experts_per_tok=top_k,
+                         norm_topk_prob=norm_topk_prob, mlp_only_layers=list(mlp_only_layers),
+                         decoder_sparse_step=sparse_step, num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, head_dim=head_dim, tie_word_embeddings=tie,
+                         max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                         initializer_range=init_std, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645)
+    model = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):  # a spread-out router so top-k choices are not near-ties
+                p.copy_(torch.randn_like(p))
+    model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
+    write_tokenizer(out_dir)
+    write_generation_config(out_dir)
+    shutil.copyfile(os.path.join(FIXTURES, "qwen3", "chat_template.jinja"), os.path.join(out_dir, "chat_template.jinja"))
+    return out_dir
