@@ -105,14 +105,14 @@ class Tokenizer:
     def _build_byte_table(tk: tokenizers.Tokenizer, added: dict, byte_level: bool) -> list[bytes]:
         vocab = tk.get_vocab(with_added_tokens=True)  # {token string: id}
         table = [b""] * (max(vocab.values(), default=-1) + 1)
-        u2b = {c: b for b, c in bytes_to_unicode().items()}
+        to_latin1 = {ord(c): b for b, c in bytes_to_unicode().items()}  # byte-level char -> its byte as U+00XX
         for piece, i in vocab.items():
             if i in added:
                 table[i] = added[i].content.encode("utf-8")
             elif byte_level:
                 try:
-                    table[i] = bytes(u2b[c] for c in piece)
-                except KeyError:  # not a byte-level piece (should not happen): keep its text
+                    table[i] = piece.translate(to_latin1).encode("latin-1")
+                except UnicodeEncodeError:  # not a byte-level piece (should not happen): keep its text
                     table[i] = piece.encode("utf-8")
             else:
                 m = _BYTE_FALLBACK.match(piece)
