@@ -9,7 +9,7 @@ import pytest
 
 from appliance.engine.chat_template import ChatTemplate, ChatTemplateError
 from appliance.engine.tokenizer import Tokenizer
-from tests.conftest import FIXTURES
+from tests.support.tiny_models import FIXTURES
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather for a city. Returns °C.",
