@@ -87,3 +87,34 @@ def test_prefill_reads_each_expert_once_per_chunk(tiny_qwen3_moe):
     assert m.expert_stats.expert_calls == m.expert_stats.distinct_experts
     assert m.expert_stats.expert_calls <= m.moe_config.num_experts * len(m.layers)
     assert m.expert_stats.routed_tokens == len(PROMPT) * len(m.layers)
+
+
+def test_release_pages_drops_expert_pages_from_memory(tmp_path):
+    from appliance.engine.page_release import mapping_rss, release_pages
+    from appliance.engine.qwen3_moe import set_release_pages
+    from tests.support.tiny_models import build_qwen3_moe
+
+    # experts big enough to span many pages: 16 x 3 x (512 x 256) bf16 = 12 MiB of experts in the layer
+    path = build_qwen3_moe(str(tmp_path / "m"), hidden=256, moe_intermediate=512, layers=1, seed=7)
+    m = ours(path)
+    block = m.layers[0].mlp
+    experts_raw = [w.raw for ex in block.experts for w in (ex.gate, ex.up, ex.down)]
+    for raw in experts_raw:
+        np.asarray(raw).sum()  # touch every expert page
+    touched = mapping_rss(experts_raw[0])
+    assert touched >= sum(r.nbytes for r in experts_raw)
+    released = sum(release_pages(r) for r in experts_raw)
+    assert released >= 0.95 * sum(r.nbytes for r in experts_raw)
+    assert mapping_rss(experts_raw[0]) <= touched - 0.9 * released
+    # with release on, a forward gives the same output and leaves the experts' pages released
+    x = np.random.default_rng(0).standard_normal((3, 256)).astype(np.float32)
+    set_release_pages(m, False)
+    want = block(x)
+    with_pages = mapping_rss(experts_raw[0])
+    set_release_pages(m, True)
+    got = block(x)
+    np.testing.assert_array_equal(got, want)
+    used = len({e for (_, e) in m.expert_stats.touched})
+    assert 0 < used < 16
+    expert_bytes = 3 * 512 * 256 * 2
+    assert mapping_rss(experts_raw[0]) <= with_pages - 0.9 * used * expert_bytes

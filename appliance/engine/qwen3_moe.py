@@ -17,6 +17,7 @@ import numpy as np
 from .config import Qwen3Config
 from .hf_checkpoint import build_decoder, dense_mlp
 from .qwen3 import SwiGLU
+from .page_release import release_pages
 from .safetensors import SafeTensors, to_float32
 from .weights import DenseWeight, HalfWeight
 
@@ -73,8 +74,9 @@ def route(x: np.ndarray, router: np.ndarray, top_k: int, normalize: bool) -> tup
 
 class SparseMoE:
     def __init__(self, layer: int, router: np.ndarray, experts: Sequence[Callable], cfg: MoEConfig,
-                 stats: ExpertLoadStats):
+                 stats: ExpertLoadStats, release_pages: bool = False):
         self.layer, self.router, self.experts, self.cfg, self.stats = layer, router, experts, cfg, stats
+        self.release_pages = release_pages  # madvise an expert's weight pages away after each use
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         top, w = route(x, self.router, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)  # (T, k)
@@ -84,8 +86,29 @@ class SparseMoE:
             out[rows] += self.experts[e](x[rows]) * w[rows, slot][:, None]
             self.stats.touched.add((self.layer, int(e)))
             self.stats.expert_calls += 1
+            if self.release_pages:
+                release_expert(self.experts[e])
         self.stats.routed_tokens += x.shape[0]
         return out
+
+
+def release_expert(expert: SwiGLU) -> int:
+    """Release the mapped pages of one expert's three matrices; returns bytes released."""
+    total = 0
+    for w in (expert.gate, expert.up, expert.down):
+        raw = getattr(w, "raw", None)
+        if raw is None:
+            raw = getattr(w, "w", None)
+        if raw is not None:
+            total += release_pages(raw)
+    return total
+
+
+def set_release_pages(model, on: bool) -> None:
+    """Turn page release on or off for every sparse block of a model."""
+    for layer in model.layers:
+        if isinstance(layer.mlp, SparseMoE):
+            layer.mlp.release_pages = on
 
 
 def mapped_weight(st: SafeTensors, name: str):
