@@ -33,6 +33,7 @@ class GenerationRequest:
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    images: tuple = ()  # PixelPatches, one per image-pad run of prompt_ids, in order (models with `multimodal`)
 
 
 @dataclass
@@ -42,6 +43,8 @@ class Timings:
     decode_ms: list[float] = field(default_factory=list)
     total_ms: float = 0.0
     prefill_chunks: int = 0
+    image_encode_ms: float = 0.0  # vision tower time (not part of prefill_ms; part of ttft_ms)
+    image_tokens: int = 0
 
     @property
     def tpot_ms(self) -> float:
@@ -129,8 +132,18 @@ class Engine:
             self.cache.reset()
             return FinishEvent(reason, tail, len(req.prompt_ids), len(generated), generated, timings)
 
+        if req.images:
+            if not getattr(self.model, "multimodal", False):
+                raise ValueError("this model does not accept images")
+            t_img = time.perf_counter()
+            n_image_tokens = self.model.prepare_images(self.cache, req.prompt_ids, list(req.images), should_cancel)
+            timings.image_encode_ms = _ms(t_img)
+            if n_image_tokens is None:
+                yield finish("cancelled")
+                return
+            timings.image_tokens = n_image_tokens
         logits = self.prefill(req.prompt_ids, should_cancel, timings)
-        timings.prefill_ms = _ms(t0)
+        timings.prefill_ms = _ms(t0) - timings.image_encode_ms
         if logits is None:
             yield finish("cancelled")
             return

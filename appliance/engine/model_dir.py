@@ -15,6 +15,7 @@ from typing import Callable
 from . import qwen3
 from .hf_checkpoint import build_qwen3
 from .qwen3_moe import build_qwen3_moe
+from .qwen3_vl import build_qwen3_vl
 from .config import Qwen3Config, UnsupportedModelError
 from .generate import Engine
 from .safetensors import SafeTensors, SafetensorsError
@@ -43,7 +44,7 @@ class LoadedModel:
 
 # model_type -> builder(SafeTensors, config dict) -> (config, model)
 ARCHITECTURES: dict[str, Callable] = {"qwen3": build_qwen3, "qwen2": build_qwen3, "llama": build_qwen3,
-                                      "qwen3_moe": build_qwen3_moe}
+                                      "qwen3_moe": build_qwen3_moe, "qwen3_vl": build_qwen3_vl}
 
 
 def read_json(path: str) -> dict:

@@ -51,6 +51,7 @@ class SafeTensors:
     """All tensors of a checkpoint directory, by name."""
 
     def __init__(self, model_dir: str):
+        self.model_dir = model_dir  # side files (preprocessor_config.json) are read from here
         index = os.path.join(model_dir, "model.safetensors.index.json")
         single = os.path.join(model_dir, "model.safetensors")
         self._files: dict[str, _File] = {}

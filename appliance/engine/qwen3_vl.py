@@ -1,0 +1,246 @@
+"""Qwen3-VL: the Qwen3 decoder fed with image embeddings, interleaved multimodal RoPE and DeepStack.
+
+Policies:
+- A prompt with images carries one run of image-pad tokens per image (expand_image_pads), as the reference
+  processor expands them. `prepare_images(cache, prompt_ids, images)` runs the vision tower once, before the
+  prefill, and leaves in the cache (MRopeCache) what the prefill chunks need: per prompt position its
+  three M-RoPE position ids and, at image-pad positions, the row of the image features that replaces the
+  token embedding and whose DeepStack features are added after the first decoder layers. Per-sequence state
+  lives in the cache, never in the model, and `reset()` drops it with the keys and values.
+- Positions follow the reference's get_rope_index: text runs count up on all three axes; an image's tokens
+  get (t, row, col) offset by the position where the image starts, and the text after it resumes at that
+  start + max(rows, cols). Past the prompt (decode) every axis is `index + delta`, delta = max position + 1
+  - prompt length. A prompt without images has delta 0 and equal axes: plain 1D RoPE.
+- Interleaved M-RoPE: rotary frequency k turns with the row axis when k % 3 == 1 and k < 3*sections[1], the
+  column axis when k % 3 == 2 and k < 3*sections[2], else with the temporal/text axis.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from . import qwen3
+from .config import Qwen3Config
+from .hf_checkpoint import build_decoder, dense_mlp, dense_weight
+from .image_processing import ImageError, ImageProcessor, PixelPatches
+from .kv_cache import KVCache
+from .safetensors import SafeTensors, to_float32
+from .weights import DenseWeight
+from .vision import Linear, PatchMerger, VisionBlock, VisionConfig, VisionTower
+
+IMAGE_PAD = "<|image_pad|>"
+
+
+@dataclass
+class ImageState:
+    """What prefill needs about the images of the prompt in the cache."""
+    positions: np.ndarray  # (3, prompt_len) int64: temporal/text, row, column position ids
+    feature_row: np.ndarray  # (prompt_len,) int64: row of embeds for image-pad positions, -1 elsewhere
+    embeds: np.ndarray  # (image_tokens, hidden)
+    deepstack: list[np.ndarray]  # per DeepStack layer: (image_tokens, hidden)
+    delta: int  # decode position = cache index + delta
+
+
+class MRopeCache(KVCache):
+    """A KVCache that also holds the prompt's image state (dropped by reset)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.images: ImageState | None = None
+
+    def reset(self) -> None:
+        super().reset()
+        self.images = None
+
+
+@dataclass
+class Qwen3VLModel:
+    config: Qwen3Config  # the text decoder's
+    text: qwen3.Qwen3Model
+    vision: VisionTower
+    image_processor: ImageProcessor
+    mrope_section: tuple[int, int, int]
+    image_token_id: int
+    multimodal: bool = True
+    axis_of_freq: np.ndarray = field(init=False)  # (hd/2,) 0/1/2: which position axis turns each frequency
+
+    def __post_init__(self):
+        k = np.arange(self.config.head_dim // 2)
+        s = self.mrope_section
+        self.axis_of_freq = np.where((k % 3 == 1) & (k < 3 * s[1]), 1, np.where((k % 3 == 2) & (k < 3 * s[2]), 2, 0))
+
+    def new_cache(self, max_len: int) -> MRopeCache:
+        c = self.config
+        return MRopeCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len)
+
+    def prepare_images(self, cache: MRopeCache, prompt_ids, images: list[PixelPatches],
+                       should_cancel: Callable[[], bool] = lambda: False) -> int | None:
+        """Encode the prompt's images into the cache (call after reset, before prefill). Returns the number
+        of image tokens, or None if cancelled between images."""
+        ids = np.asarray(prompt_ids, dtype=np.int64)
+        runs = image_pad_runs(ids, self.image_token_id)
+        if len(runs) != len(images):
+            raise ImageError(f"the prompt has {len(runs)} image placeholders for {len(images)} images")
+        embeds, deepstack = [], []
+        for (start, end), img in zip(runs, images):
+            if end - start != img.num_tokens:
+                raise ImageError(f"an image needs {img.num_tokens} image tokens; the prompt has {end - start}")
+            if should_cancel():
+                return None
+            out = self.vision.encode(img.pixel_values, img.grid_thw)
+            embeds.append(out.embeds)
+            deepstack.append(out.deepstack)
+        feature_row = np.full(len(ids), -1, dtype=np.int64)
+        n = 0
+        for start, end in runs:
+            feature_row[start:end] = np.arange(n, n + end - start)
+            n += end - start
+        positions = mrope_positions(len(ids), runs, [img.grid_thw for img in images], self.vision.config.spatial_merge_size)
+        cache.images = ImageState(
+            positions=positions, feature_row=feature_row,
+            embeds=np.concatenate(embeds) if embeds else np.zeros((0, self.config.hidden_size), np.float32),
+            deepstack=[np.concatenate([d[i] for d in deepstack]) for i in range(len(self.vision.deepstack_mergers))]
+            if deepstack else [],
+            delta=int(positions.max()) + 1 - len(ids) if len(ids) else 0)
+        return n
+
+    def rope(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """positions (3, T) -> interleaved M-RoPE cos, sin (T, hd/2)."""
+        hd = self.config.head_dim
+        inv_freq = 1.0 / (self.config.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))  # (hd/2,)
+        pos = positions[self.axis_of_freq].T.astype(np.float64)  # (T, hd/2): the axis each frequency follows
+        ang = pos * inv_freq[None, :]
+        return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+    def forward(self, tokens: np.ndarray, cache: MRopeCache, logits: str = "last") -> np.ndarray | None:
+        """Append tokens (T,) to the sequence in cache (prompt chunks or decoded tokens)."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        start = cache.length
+        index = start + np.arange(len(tokens))
+        h = self.text.embed.rows(tokens)  # (T, hidden)
+        state = cache.images
+        after_layer = None
+        if state is None:
+            positions = np.broadcast_to(index, (3, len(tokens)))
+        else:
+            n_prompt = state.positions.shape[1]
+            positions = np.broadcast_to(index + state.delta, (3, len(tokens))).copy()  # (3, T)
+            in_prompt = index < n_prompt
+            positions[:, in_prompt] = state.positions[:, index[in_prompt]]
+            rows = np.full(len(tokens), -1, dtype=np.int64)
+            rows[in_prompt] = state.feature_row[index[in_prompt]]
+            at = np.nonzero(rows >= 0)[0]
+            if len(at):
+                h = h.copy()
+                h[at] = state.embeds[rows[at]]
+                deep = state.deepstack
+
+                def after_layer(i: int, x: np.ndarray) -> np.ndarray:
+                    if i < len(deep):
+                        x[at] += deep[i][rows[at]]
+                    return x
+        cos, sin = self.rope(positions)
+        h = qwen3.forward_hidden(self.text, h, cache, cos, sin, after_layer)
+        if logits == "none":
+            return None
+        if logits == "last":
+            return self.text.lm_head(h[-1:])[0]  # (vocab,)
+        return self.text.lm_head(h)  # (T, vocab)
+
+
+def image_pad_runs(ids: np.ndarray, image_token_id: int) -> list[tuple[int, int]]:
+    """[start, end) of each maximal run of image-pad tokens."""
+    is_pad = np.concatenate([[False], ids == image_token_id, [False]])
+    edges = np.nonzero(is_pad[1:] != is_pad[:-1])[0]
+    return [(int(a), int(b)) for a, b in zip(edges[0::2], edges[1::2])]
+
+
+def mrope_positions(n: int, runs: list[tuple[int, int]], grids: list[tuple[int, int, int]], merge: int) -> np.ndarray:
+    """The reference's get_rope_index for one sequence of n tokens: (3, n) position ids."""
+    pos = np.zeros((3, n), dtype=np.int64)
+    current, prev = 0, 0
+    for (start, end), (t, h, w) in zip(runs, grids):
+        pos[:, prev:start] = current + np.arange(start - prev)  # text before the image
+        current += start - prev
+        lh, lw = h // merge, w // merge
+        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(lh), np.arange(lw), indexing="ij")
+        pos[:, start:end] = np.stack([tt.reshape(-1), hh.reshape(-1), ww.reshape(-1)]) + current
+        current += max(h, w) // merge
+        prev = end
+    pos[:, prev:] = current + np.arange(n - prev)
+    return pos
+
+
+def expand_image_pads(ids: list[int], image_token_id: int, counts: list[int]) -> list[int]:
+    """One image-pad token per image (as the chat template writes it) -> counts[i] of them for image i."""
+    out: list[int] = []
+    it = iter(counts)
+    for t in ids:
+        if t == image_token_id:
+            try:
+                out.extend([t] * next(it))
+            except StopIteration:
+                raise ImageError("the prompt has more image placeholders than images") from None
+        else:
+            out.append(t)
+    if next(it, None) is not None:
+        raise ImageError("the prompt has fewer image placeholders than images")
+    return out
+
+
+def vision_linear(st: SafeTensors, name: str) -> Linear:
+    return Linear(dense_weight(st, name + ".weight"), st.float32(name + ".bias"))
+
+
+def build_vision(st: SafeTensors, cfg: VisionConfig, prefix: str) -> VisionTower:
+    def norm(name):
+        return st.float32(name + ".weight"), st.float32(name + ".bias")
+
+    def merger(name, post):
+        return PatchMerger(norm(name + ".norm"), vision_linear(st, name + ".linear_fc1"),
+                           vision_linear(st, name + ".linear_fc2"), post)
+
+    w, dt = st.raw(prefix + "patch_embed.proj.weight")  # (hidden, C, tp, p, p)
+    patch = Linear(DenseWeight(np.ascontiguousarray(to_float32(w, dt).reshape(cfg.hidden_size, -1))),
+                   st.float32(prefix + "patch_embed.proj.bias"))
+    blocks = [VisionBlock(norm(f"{prefix}blocks.{i}.norm1"), vision_linear(st, f"{prefix}blocks.{i}.attn.qkv"),
+                          vision_linear(st, f"{prefix}blocks.{i}.attn.proj"), norm(f"{prefix}blocks.{i}.norm2"),
+                          vision_linear(st, f"{prefix}blocks.{i}.mlp.linear_fc1"),
+                          vision_linear(st, f"{prefix}blocks.{i}.mlp.linear_fc2")) for i in range(cfg.depth)]
+    deep = [merger(f"{prefix}deepstack_merger_list.{j}", True) for j in range(len(cfg.deepstack_visual_indexes))]
+    return VisionTower(cfg, patch, st.float32(prefix + "pos_embed.weight"), blocks, merger(prefix + "merger", False), deep)
+
+
+def _prefix(st: SafeTensors, *candidates: str) -> str:
+    for p in candidates:
+        if any(k.startswith(p) for k in st.keys()):
+            return p
+    raise KeyError(f"no tensors under {' or '.join(candidates)}")
+
+
+def build_qwen3_vl(st: SafeTensors, cfg_dict: dict) -> tuple[Qwen3Config, Qwen3VLModel]:
+    """A Hugging Face Qwen3VLForConditionalGeneration directory's tensors and config.json (the image
+    processor's settings come from preprocessor_config.json beside them)."""
+    model_dir = getattr(st, "model_dir", None)
+    text_d = dict(cfg_dict["text_config"])
+    if "tie_word_embeddings" in cfg_dict:
+        text_d["tie_word_embeddings"] = cfg_dict["tie_word_embeddings"]
+    rope = text_d.get("rope_parameters") or text_d.get("rope_scaling") or {}
+    section = tuple(int(x) for x in rope.get("mrope_section", (24, 20, 20)))
+    cfg = Qwen3Config.from_dict({**text_d, "model_type": "qwen3"})
+    if sum(section) != cfg.head_dim // 2:
+        raise ValueError(f"mrope_section {section} does not cover head_dim {cfg.head_dim}")
+    text_prefix = _prefix(st, "model.language_model.", "language_model.model.", "model.")
+    text = build_decoder(st, cfg, lambda i, p: dense_mlp(st, p), prefix=text_prefix)
+    vcfg = VisionConfig.from_dict(cfg_dict["vision_config"])
+    vision = build_vision(st, vcfg, _prefix(st, "model.visual.", "visual."))
+    if vcfg.out_hidden_size != cfg.hidden_size:
+        raise ValueError("vision out_hidden_size differs from the decoder's hidden_size")
+    processor = ImageProcessor.from_dir(model_dir) if model_dir else ImageProcessor()
+    if processor.patch_size != vcfg.patch_size or processor.merge_size != vcfg.spatial_merge_size \
+            or processor.temporal_patch_size != vcfg.temporal_patch_size:
+        raise ValueError("preprocessor_config.json does not match the vision tower's patch sizes")
+    model = Qwen3VLModel(cfg, text, vision, processor, section, int(cfg_dict.get("image_token_id", 151655)))
+    return cfg, model
