@@ -121,6 +121,7 @@ class Worker:
         self.ready = trio.Event()          # set when loading ends, either way
         self.stats = WorkerStats()
         self.waiting = 0
+        self.current: JobTrace | None = None   # the job the engine is running (engine thread writes it)
         self._slot = trio.Semaphore(1)     # fair: FIFO hand-off on release
         self._jobs: queue.Queue = queue.Queue()
         self._token: trio.lowlevel.TrioToken | None = None
@@ -203,11 +204,13 @@ class Worker:
     def _run(self, loaded: Any, job: _Job) -> None:
         t = job.trace
         t.started = time.perf_counter()
+        self.current = t
         s = self.stats
         s.requests_started += 1
+        last: Any = None  # the FinishEvent or EngineFailure, delivered together with the slot's release
         try:
             for ev in loaded.engine.generate(job.request, job.should_cancel):
-                if hasattr(ev, "reason"):  # FinishEvent
+                if hasattr(ev, "reason"):  # FinishEvent: the engine has already freed its cache
                     t.finish_reason = ev.reason
                     s.prompt_tokens += ev.prompt_tokens
                     s.completion_tokens += ev.completion_tokens
@@ -215,7 +218,7 @@ class Worker:
                     t.prefill_chunks = getattr(tm, "prefill_chunks", None)
                     s.prefill_seconds += tm.prefill_ms / 1000.0
                     s.decode_seconds += sum(tm.decode_ms) / 1000.0
-                    self._call_trio(job.send.send_nowait, ev)
+                    last = ev
                     break
                 with job._lock:
                     if t.tokens == 0:
@@ -223,11 +226,19 @@ class Worker:
                     t.tokens += 1
                 self._call_trio(job.send.send_nowait, ev)
         except Exception as e:  # an engine bug or a request the engine refused (ContextLengthError)
-            self._call_trio(job.send.send_nowait, EngineFailure(e))
+            last = EngineFailure(e)
         finally:
             t.finished = time.perf_counter()
-            self._call_trio(job.send.close)
-            self._call_trio(self._job_done, job)
+            self.current = None
+            self._call_trio(self._end_job, job, last)
+
+    def _end_job(self, job: _Job, last: Any) -> None:
+        """Trio side: the last event, then the slot, in one step, so a client that has seen the end of its
+        generation and sends the next request never finds the engine still marked busy."""
+        if last is not None:
+            job.send.send_nowait(last)
+        job.send.close()
+        self._job_done(job)
 
 
 class Ticket:

@@ -1,0 +1,222 @@
+"""The OpenAI-compatible application: routes, auth, CORS, and the two generation endpoints.
+
+Policies:
+- Order of checks: route (404/405) -> API key (401; /health, /v1/models and CORS preflights stay open) ->
+  model loaded (503) -> body (413) -> fields (400) -> template + tokenizer + context (400) -> queue (429).
+  Everything a client can get wrong is answered before the request waits for the engine.
+- A stream's status line, SSE headers and first event (the chat role frame) go out before queueing and
+  prefill; while queued it gets SSE comments; then one event per TokenEvent that releases text, the finish
+  chunk (with timings), the usage chunk if asked, the extension events if asked, and `data: [DONE]`.
+- Stream and non-stream share one generation path (Generation below); only the framing differs.
+- The `model` field is not checked: the appliance serves one model and names it in every response.
+- Keys are compared with hmac.compare_digest against every configured key (no early exit on the first match).
+"""
+from __future__ import annotations
+
+import hmac
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+import trio
+
+from .generation import ChatOutput, CompletionOutput, Generation
+from .h11_server import Exchange
+from .protocol import prometheus
+from .protocol.chunks import model_list
+from .protocol.errors import (ApiError, context_length_exceeded, error_body, invalid_api_key, method_not_allowed,
+                              missing_api_key, not_found, not_ready, queue_full)
+from .protocol.requests import parse_chat_request, parse_completion_request
+from .protocol.sse import JSON_CONTENT_TYPE, json_bytes
+from .worker import NotReady, QueueFull, Worker
+
+
+@dataclass
+class ApiConfig:
+    model_name: str = "model"
+    api_keys: tuple[str, ...] = ()
+    extension_events: bool = False     # metrics/tokens events on every stream unless the request says no
+    queue_keepalive_s: float = 5.0     # SSE comment interval while a stream waits in the queue
+    cors_origin: str = "*"
+
+
+OPEN_PATHS = {"/health", "/v1/models"}
+CORS_METHODS = b"GET, POST, OPTIONS"
+CORS_DEFAULT_HEADERS = b"Authorization, Content-Type"
+
+
+class Api:
+    def __init__(self, worker: Worker, cfg: ApiConfig):
+        self.worker = worker
+        self.cfg = cfg
+        self.created = int(time.time())
+        self.requests: Counter = Counter()          # (endpoint, status) -> count
+        self.rejected = 0
+        self._keys = tuple(k.encode("utf-8") for k in cfg.api_keys)
+        self.routes: dict[str, dict[str, Callable[[Exchange], Awaitable[None]]]] = {
+            "/health": {"GET": self.health},
+            "/metrics": {"GET": self.metrics},
+            "/v1/models": {"GET": self.models},
+            "/v1/chat/completions": {"POST": self.chat},
+            "/v1/completions": {"POST": self.completions},
+        }
+
+    # ---- dispatch --------------------------------------------------------------------------------------
+    async def __call__(self, ex: Exchange) -> None:
+        path = ex.path.rstrip("/") or "/"
+        endpoint = path if path in self.routes or path.startswith("/v1/models/") else "other"
+        try:
+            handlers = self.routes.get(path)
+            if handlers is None and path.startswith("/v1/models/"):
+                handlers = {"GET": self.model_info}
+            if handlers is None:
+                raise not_found(ex.path)
+            if ex.method == "OPTIONS":
+                return await self._respond(ex, endpoint, 204, b"", self._preflight_headers(ex))
+            handler = handlers.get(ex.method)
+            if handler is None:
+                raise method_not_allowed(ex.method, path, tuple(handlers) + ("OPTIONS",))
+            if path not in OPEN_PATHS and not path.startswith("/v1/models/"):
+                self._check_key(ex)
+            await handler(ex)
+            self.requests[(endpoint, ex.status)] += 1
+        except ApiError as e:
+            if e.status == 429:
+                self.rejected += 1
+            if ex.response_started:  # an HTTP-level error after a stream began cannot be reported
+                raise
+            await self._respond(ex, endpoint, e.status, error_body(e),
+                                [(b"Content-Type", JSON_CONTENT_TYPE)] + list(e.headers))
+
+    async def _respond(self, ex: Exchange, endpoint: str, status: int, body: bytes,
+                       headers: list[tuple[bytes, bytes]]) -> None:
+        self.requests[(endpoint, status)] += 1
+        await ex.respond(status, headers + self.cors_headers(), body)
+
+    async def send_json(self, ex: Exchange, obj: Any, status: int = 200) -> None:
+        await ex.respond(status, [(b"Content-Type", JSON_CONTENT_TYPE)] + self.cors_headers(), json_bytes(obj))
+
+    def cors_headers(self) -> list[tuple[bytes, bytes]]:
+        return [(b"Access-Control-Allow-Origin", self.cfg.cors_origin.encode("latin-1"))]
+
+    def _preflight_headers(self, ex: Exchange) -> list[tuple[bytes, bytes]]:
+        asked = ex.header("access-control-request-headers")
+        return [(b"Access-Control-Allow-Methods", CORS_METHODS),
+                (b"Access-Control-Allow-Headers", asked.encode("latin-1") if asked else CORS_DEFAULT_HEADERS),
+                (b"Access-Control-Max-Age", b"86400")]
+
+    def _check_key(self, ex: Exchange) -> None:
+        if not self._keys:
+            return
+        auth = ex.header("authorization")
+        if not auth:
+            raise missing_api_key()
+        scheme, _, token = auth.strip().partition(" ")
+        given = token.strip().encode("latin-1", "replace") if scheme.lower() == "bearer" else b""
+        ok = False
+        for key in self._keys:
+            ok |= hmac.compare_digest(given, key)
+        if not ok:
+            raise invalid_api_key()
+
+    def _loaded(self) -> Any:
+        if self.worker.state != "ready":
+            raise not_ready()
+        return self.worker.loaded
+
+    # ---- simple endpoints ------------------------------------------------------------------------------
+    async def health(self, ex: Exchange) -> None:
+        w = self.worker
+        if w.state == "ready":
+            body = {"status": "ok", "model": self.cfg.model_name, "queue_depth": w.waiting, "busy": w.busy,
+                    "queue_limit": w.queue_limit}
+            return await self.send_json(ex, body)
+        body = {"status": "loading" if w.state == "loading" else "unavailable"}
+        await ex.respond(503, [(b"Content-Type", JSON_CONTENT_TYPE), (b"Retry-After", b"1")]
+                         + self.cors_headers(), json_bytes(body))
+
+    async def models(self, ex: Exchange) -> None:
+        await self.send_json(ex, model_list([self.cfg.model_name], self.created))
+
+    async def model_info(self, ex: Exchange) -> None:
+        wanted = ex.path[len("/v1/models/"):]
+        if wanted != self.cfg.model_name:
+            raise ApiError(404, f"The model '{wanted}' does not exist.", param="model", code="model_not_found")
+        await self.send_json(ex, model_list([self.cfg.model_name], self.created)["data"][0])
+
+    def metric_values(self) -> dict[str, Any]:
+        w, s = self.worker, self.worker.stats
+        loaded = w.loaded
+        finished = Counter(t.finish_reason or "error" for t in s.traces)
+        return {
+            "kestrel_requests_total": {(("endpoint", e), ("code", str(c))): n
+                                       for (e, c), n in sorted(self.requests.items())},
+            "kestrel_generations_total": {(("reason", r),): n for r, n in sorted(finished.items())},
+            "kestrel_prompt_tokens_total": s.prompt_tokens,
+            "kestrel_generated_tokens_total": s.completion_tokens,
+            "kestrel_prefill_seconds_total": s.prefill_seconds,
+            "kestrel_decode_seconds_total": s.decode_seconds,
+            "kestrel_rejected_total": self.rejected,
+            "kestrel_cancelled_total": s.requests_cancelled,
+            "kestrel_queue_depth": w.waiting,
+            "kestrel_busy": w.busy,
+            "kestrel_ready": w.state == "ready",
+            "kestrel_context_length": loaded.context_length if loaded is not None else 0,
+        }
+
+    async def metrics(self, ex: Exchange) -> None:
+        await ex.respond(200, [(b"Content-Type", prometheus.CONTENT_TYPE)] + self.cors_headers(),
+                         prometheus.render_metrics(self.metric_values()))
+
+    # ---- generation endpoints --------------------------------------------------------------------------
+    async def chat(self, ex: Exchange) -> None:
+        loaded = self._loaded()
+        body = await ex.read_body()
+        req = parse_chat_request(body, defaults=loaded.default_sampling, context_length=loaded.context_length,
+                                 images_supported=loaded.multimodal, stream_extensions=self.cfg.extension_events)
+        try:
+            prompt = loaded.chat_template.render(req.messages, tools=req.tools, add_generation_prompt=True,
+                                                 **req.template_kwargs)
+        except ValueError as e:  # ChatTemplateError: the template refused these messages
+            raise ApiError(400, str(e), param="messages", code="invalid_messages") from None
+        ids = loaded.tokenizer.encode(prompt)
+        self._check_context(loaded, len(ids), req.max_tokens)
+        gen = Generation(self, loaded, ids, req, ChatOutput(req, prompt, loaded))
+        await gen.run(ex, self._admit())
+
+    async def completions(self, ex: Exchange) -> None:
+        loaded = self._loaded()
+        body = await ex.read_body()
+        req = parse_completion_request(body, defaults=loaded.default_sampling,
+                                       context_length=loaded.context_length,
+                                       stream_extensions=self.cfg.extension_events)
+        if isinstance(req.prompt, str):
+            ids = loaded.tokenizer.encode(req.prompt)
+            prompt_text = req.prompt
+        else:
+            vocab = len(loaded.tokenizer)
+            bad = [t for t in req.prompt if t >= vocab]
+            if bad:
+                raise ApiError(400, f"Invalid 'prompt': token id {bad[0]} is out of range (vocabulary size "
+                                    f"{vocab}).", param="prompt", code="invalid_value")
+            ids = list(req.prompt)
+            prompt_text = loaded.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else ""
+        self._check_context(loaded, len(ids), req.max_tokens)
+        gen = Generation(self, loaded, ids, req, CompletionOutput(req, prompt_text, loaded))
+        await gen.run(ex, self._admit())
+
+    def _check_context(self, loaded: Any, n_prompt: int, max_tokens: int | None) -> None:
+        ctx = loaded.context_length
+        if n_prompt == 0:
+            raise ApiError(400, "The prompt is empty.", param="messages", code="invalid_value")
+        if n_prompt >= ctx or (max_tokens is not None and n_prompt + max_tokens > ctx):
+            raise context_length_exceeded(n_prompt, max_tokens, ctx)
+
+    def _admit(self):
+        try:
+            return self.worker.admit()
+        except QueueFull as e:
+            raise queue_full(e.retry_after) from None
+        except NotReady:
+            raise not_ready() from None

@@ -1,0 +1,223 @@
+"""Command line: `kestrel-appliance --model PATH` serves; `--prompt "..."` answers once on stdout and exits.
+
+Policies:
+- User mistakes (missing or unreadable model path, unsupported model, port in use, bad key file) end with one
+  `kestrel-appliance: error: ...` line on stderr and a non-zero exit, never a traceback.
+- Serving binds first (so /health answers 503 while the model loads), then loads the model on the engine
+  thread. SIGTERM/SIGINT: stop accepting, let in-flight requests finish within --grace seconds, cancel the
+  rest, exit 0. A second signal cancels at once.
+- --threads caps the BLAS/OpenMP pools; it must be set before numpy is imported, so heavy imports happen
+  inside the functions here, after argument parsing.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+PROG = "kestrel-appliance"
+log = logging.getLogger("appliance")
+
+
+class CliError(Exception):
+    """A user-facing failure: printed as one line, exit status 1."""
+
+
+def version() -> str:
+    try:
+        from importlib.metadata import version as dist_version
+        return dist_version("kestrel-appliance")
+    except Exception:
+        return "0+unknown"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="OpenAI-compatible Qwen3 inference service.")
+    p.add_argument("--version", action="version", version=f"{PROG} {version()}")
+    p.add_argument("--model", metavar="PATH", required=True, help="Hugging Face model directory")
+    s = p.add_argument_group("serving")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
+    keys = s.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY'")
+    keys.add_argument("--api-key-file", metavar="FILE", help="read the key(s) from FILE, one per line")
+    s.add_argument("--queue", type=int, default=4, metavar="N", help="requests that may wait (default 4)")
+    s.add_argument("--ctx", type=int, metavar="N", help="context length in tokens (default: model's, max 4096)")
+    s.add_argument("--threads", type=int, metavar="N", help="threads for numpy/BLAS")
+    s.add_argument("--prefill-chunk", type=int, default=256, metavar="N", help="prompt tokens per prefill step")
+    s.add_argument("--extension-events", action="store_true",
+                   help="send the chat.completion.metrics / .tokens events on every stream by default")
+    s.add_argument("--grace", type=float, default=10.0, metavar="S", help="shutdown grace period (seconds)")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    o = p.add_argument_group("one-shot")
+    o.add_argument("--prompt", help="answer this prompt on stdout, token by token, and exit")
+    o.add_argument("--system", help="system prompt for --prompt")
+    o.add_argument("--max-tokens", type=int, metavar="N")
+    o.add_argument("--temperature", type=float)
+    o.add_argument("--seed", type=int)
+    o.add_argument("--no-think", action="store_true", help="render the template with enable_thinking=false")
+    return p
+
+
+def _positive(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for name in ("ctx", "threads", "prefill_chunk", "max_tokens"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.queue < 0:
+        p.error("--queue must be at least 0")
+    if not 0 <= args.port <= 65535:
+        p.error("--port must be between 0 and 65535")
+
+
+def _check_model_path(path: str) -> None:
+    if not os.path.exists(path):
+        raise CliError(f"model path does not exist: {path}")
+    if not os.access(path, os.R_OK) or (os.path.isdir(path) and not os.access(path, os.X_OK)):
+        raise CliError(f"model path is not readable: {path}")
+
+
+def _read_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    if args.api_key is not None:
+        if not args.api_key.strip():
+            raise CliError("--api-key is empty")
+        return (args.api_key.strip(),)
+    if args.api_key_file is None:
+        return ()
+    try:
+        with open(args.api_key_file, encoding="utf-8") as f:
+            keys = tuple(line.strip() for line in f if line.strip() and not line.lstrip().startswith("#"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise CliError(f"cannot read --api-key-file {args.api_key_file}: {getattr(e, 'strerror', None) or e}")
+    if not keys:
+        raise CliError(f"--api-key-file {args.api_key_file} holds no key")
+    return keys
+
+
+def _load(args: argparse.Namespace):
+    from .engine.model_dir import load_model
+    return load_model(args.model, context_length=args.ctx, prefill_chunk=args.prefill_chunk)
+
+
+def model_name(path: str) -> str:
+    return os.path.basename(os.path.abspath(path).rstrip("/")) or "model"
+
+
+# ---- one-shot -------------------------------------------------------------------------------------------
+
+def run_prompt(args: argparse.Namespace) -> int:
+    from .engine.generate import FinishEvent, GenerationRequest
+    from .engine.model_dir import ModelLoadError
+    from .engine.sampling import SamplingParamError, SamplingParams
+
+    try:
+        loaded = _load(args)
+    except ModelLoadError as e:
+        raise CliError(str(e)) from None
+    messages = ([{"role": "system", "content": args.system}] if args.system else [])
+    messages.append({"role": "user", "content": args.prompt})
+    kwargs = {"enable_thinking": False} if args.no_think else {}
+    try:
+        prompt = loaded.chat_template.render(messages, add_generation_prompt=True, **kwargs)
+        sampling = SamplingParams.from_generation_config(loaded.default_sampling, temperature=args.temperature,
+                                                         seed=args.seed)
+    except (SamplingParamError, ValueError) as e:
+        raise CliError(str(e)) from None
+    ids = loaded.tokenizer.encode(prompt)
+    if args.max_tokens is not None and len(ids) + args.max_tokens > loaded.context_length:
+        raise CliError(f"the prompt ({len(ids)} tokens) plus --max-tokens {args.max_tokens} exceeds the context "
+                       f"length {loaded.context_length}")
+    req = GenerationRequest(prompt_ids=ids, sampling=sampling, max_tokens=args.max_tokens)
+    out = sys.stdout.buffer
+    try:
+        for ev in loaded.engine.generate(req):
+            out.write(ev.text.encode("utf-8"))
+            if isinstance(ev, FinishEvent):
+                out.write(b"\n")
+            out.flush()
+    except ValueError as e:  # ContextLengthError
+        raise CliError(str(e)) from None
+    except BrokenPipeError:  # `... | head`: the reader left; not an error of ours
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    return 0
+
+
+# ---- serving --------------------------------------------------------------------------------------------
+
+async def serve(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
+    import trio
+
+    from .api import Api, ApiConfig
+    from .h11_server import HttpServer, ServerConfig
+    from .worker import Worker
+
+    worker = Worker(load=lambda: _load(args), queue_limit=args.queue)
+    api = Api(worker, ApiConfig(model_name=model_name(args.model), api_keys=keys,
+                                extension_events=args.extension_events))
+    server = HttpServer(ServerConfig(host=args.host, port=args.port, grace_period=args.grace), api)
+    try:
+        await server.listen()
+    except OSError as e:
+        raise CliError(e.strerror or str(e)) from None
+    status = 0
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            async def on_signals() -> None:
+                async for sig in signals:
+                    if server.closing:
+                        log.warning("second signal: cancelling everything")
+                        nursery.cancel_scope.cancel()
+                        return
+                    log.info("%s: shutting down (grace %.0f s)", signal.Signals(sig).name, args.grace)
+                    nursery.start_soon(server.shutdown)
+
+            async def on_loaded() -> None:
+                nonlocal status
+                await worker.ready.wait()
+                if worker.state == "failed":
+                    err = worker.load_error
+                    print(f"{PROG}: error: {err}" if str(err) else f"{PROG}: error: {err!r}", file=sys.stderr)
+                    status = 1
+                    await server.shutdown(0)
+                else:
+                    log.info("model %s ready (context %d tokens)", model_name(args.model),
+                             worker.loaded.context_length)
+
+            nursery.start_soon(on_signals)
+            nursery.start_soon(on_loaded)
+            await worker.start()
+            log.info("listening on %s", ", ".join(f"http://{args.host}:{p}" for p in server.ports))
+            await server.serve()
+            nursery.cancel_scope.cancel()
+    worker.stop(timeout=2.0)
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _positive(parser, args)
+    if args.threads:
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "KESTREL_THREADS"):
+            os.environ[var] = str(args.threads)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        _check_model_path(args.model)
+        if args.prompt is not None:
+            return run_prompt(args)
+        keys = _read_keys(args)
+        import trio
+        return trio.run(serve, args, keys)
+    except CliError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,403 @@
+"""HTTP/1.1 over trio sockets with h11: the only module that touches sockets.
+
+Policies:
+- Every connection runs in its own nursery with a reader task that owns the receive side: bytes go into the
+  h11 state machine as soon as they arrive, so a peer that closes is seen at once, even while its request is
+  being prefilled; the request's cancel scope is then cancelled (and with it any generation it holds).
+- Only the request task writes. Each write goes straight to the socket (TCP_NODELAY, no buffering here).
+- Limits: request head size (h11's max_incomplete_event_size -> 431), body size (-> 413, by Content-Length
+  before reading, or while reading a chunked body), slow request head (-> 408), slow body (-> 408), idle
+  keep-alive (closed silently), stalled writes (closed). A connection whose request body was not fully read
+  is closed after the response (with a short lingering drain so the client sees the response, not a reset).
+- Shutdown: stop accepting, close idle keep-alive connections at once, let in-flight requests finish within
+  the grace period, then cancel what is left.
+- The application is one coroutine `app(exchange)`; it sees an Exchange (request head, read_body, respond,
+  start_stream/send/end_stream), never a socket.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+from urllib.parse import unquote
+
+import h11
+import trio
+
+from .protocol.errors import ApiError, body_too_large, error_body, internal_error
+
+log = logging.getLogger("appliance.server")
+
+RECV_SIZE = 65536
+LINGER_S = 2.0                 # lingering close after an unread request body
+LINGER_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_body: int = 4 * 1024 * 1024
+    max_header: int = 16 * 1024
+    keepalive_timeout: float = 15.0   # idle between requests
+    header_timeout: float = 10.0      # from the first byte of a request to the end of its head
+    body_timeout: float = 30.0
+    write_timeout: float = 60.0       # one write blocked this long: the client stopped reading
+    grace_period: float = 10.0
+
+
+class PeerGone(Exception):
+    """The client closed the connection (or it broke) while we were reading or writing."""
+
+
+class Exchange:
+    """One request/response on a connection, as the application sees it."""
+
+    def __init__(self, conn: "_Connection", req: h11.Request):
+        self._conn = conn
+        self.method = req.method.decode("ascii", "replace").upper()
+        target = req.target.decode("latin-1")
+        path, _, self.query = target.partition("?")
+        self.path = unquote(path)
+        self.http_version = req.http_version.decode("ascii")
+        self.headers: dict[str, str] = {}
+        for name, value in req.headers:  # h11 lower-cases names
+            key = name.decode("latin-1")
+            val = value.decode("latin-1")
+            self.headers[key] = f"{self.headers[key]}, {val}" if key in self.headers else val
+        self.response_started = False
+        self.status: int | None = None
+        self.complete = False
+
+    def header(self, name: str, default: str | None = None) -> str | None:
+        return self.headers.get(name.lower(), default)
+
+    @property
+    def peer_gone(self) -> bool:
+        return self._conn.peer_gone
+
+    async def read_body(self, limit: int | None = None) -> bytes:
+        conn = self._conn
+        limit = conn.cfg.max_body if limit is None else limit
+        length = self.header("content-length")
+        if length is not None and length.strip().isdigit() and int(length) > limit:
+            raise body_too_large(limit)
+        h = conn.h11
+        if h.client_is_waiting_for_100_continue:
+            await conn.send(h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue"))
+        parts: list[bytes] = []
+        size = 0
+        deadline = trio.current_time() + conn.cfg.body_timeout
+        while True:
+            ev = await conn.next_event(deadline, "request body")
+            if isinstance(ev, h11.Data):
+                size += len(ev.data)
+                if size > limit:
+                    raise body_too_large(limit)
+                parts.append(bytes(ev.data))
+            elif isinstance(ev, h11.EndOfMessage):
+                return b"".join(parts)
+            else:  # ConnectionClosed
+                raise PeerGone()
+
+    async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes,
+                      reason: bytes | None = None) -> None:
+        headers = list(headers) + [(b"Content-Length", str(len(body)).encode("ascii"))]
+        await self.start_stream(status, headers, reason)
+        if body:
+            await self.send(body)
+        await self.end_stream()
+
+    async def start_stream(self, status: int, headers: list[tuple[bytes, bytes]], reason: bytes | None = None
+                           ) -> None:
+        self.response_started = True
+        self.status = status
+        self._conn._skip_buffered_body()
+        if self._conn.h11.their_state is h11.SEND_BODY:  # the body stays unread: this connection ends here
+            headers = list(headers) + [(b"Connection", b"close")]
+        await self._conn.send(h11.Response(status_code=status, headers=headers, reason=reason or _reason(status)))
+
+    async def send(self, data: bytes) -> None:
+        await self._conn.send(h11.Data(data=data))
+
+    async def end_stream(self) -> None:
+        await self._conn.send(h11.EndOfMessage())
+        self.complete = True
+
+
+App = Callable[[Exchange], Awaitable[None]]
+
+
+class _Connection:
+    def __init__(self, server: "HttpServer", stream: trio.SocketStream):
+        self.server = server
+        self.cfg = server.cfg
+        self.stream = stream
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=self.cfg.max_header)
+        self.peer_gone = False
+        self.idle = True
+        self.scope = trio.CancelScope()
+        self.request_scope: trio.CancelScope | None = None
+        self._wakeup = trio.Event()
+        self._eof_fed = False
+        self.served = 0
+        self.overflow = False
+
+    # ---- reading ---------------------------------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        cap = self.cfg.max_header + self.cfg.max_body + RECV_SIZE
+        try:
+            while True:
+                data = await self.stream.receive_some(RECV_SIZE)
+                if not data:
+                    break
+                if self.overflow or len(self.h11.trailing_data[0]) + len(data) > cap:
+                    self.overflow = True  # more than we would ever read: drop it; the connection ends after
+                    continue              # this response (keep reading so a close is still seen)
+                self.h11.receive_data(data)
+                self._wakeup.set()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+        self.peer_gone = True
+        if not self._eof_fed:
+            self._eof_fed = True
+            self.h11.receive_data(b"")
+        self._wakeup.set()
+        if self.request_scope is not None:
+            self.request_scope.cancel()
+
+    async def _wait_data(self) -> None:
+        ev = self._wakeup
+        await ev.wait()
+        if self._wakeup is ev:
+            self._wakeup = trio.Event()
+
+    async def next_event(self, deadline: float, what: str):
+        """The next h11 event; ApiError(408) past the deadline; PeerGone if the connection ended."""
+        while True:
+            try:
+                ev = self.h11.next_event()
+            except h11.RemoteProtocolError as e:
+                if self.peer_gone:
+                    raise PeerGone() from None
+                raise ApiError(e.error_status_hint, f"Malformed HTTP request: {e}", code="bad_http") from None
+            if ev is h11.NEED_DATA:
+                with trio.move_on_at(deadline):
+                    await self._wait_data()
+                    continue
+                raise ApiError(408, f"Timed out reading the {what}.", code="request_timeout")
+            if isinstance(ev, h11.ConnectionClosed):
+                raise PeerGone()
+            return ev
+
+    async def _read_request_head(self) -> h11.Request | None:
+        """The next request's head; None when the connection should end (closed, idle too long, bad head)."""
+        now = trio.current_time()
+        idle_deadline = now + (self.cfg.keepalive_timeout if self.served else self.cfg.header_timeout)
+        head_deadline = None  # starts with the first byte of the request
+        while True:
+            try:
+                ev = self.h11.next_event()
+            except h11.RemoteProtocolError as e:
+                if not self.peer_gone:
+                    await self._send_error(ApiError(e.error_status_hint, f"Malformed HTTP request: {e}",
+                                                    code="bad_http"))
+                return None
+            if isinstance(ev, h11.Request):
+                size = len(ev.target) + sum(len(k) + len(v) + 4 for k, v in ev.headers)
+                if size > self.cfg.max_header:  # it arrived in one piece, so h11's own limit did not apply
+                    await self._send_error(ApiError(431, f"Request headers are larger than the limit of "
+                                                         f"{self.cfg.max_header} bytes.", code="headers_too_large"))
+                    return None
+                return ev
+            if ev is not h11.NEED_DATA:  # ConnectionClosed, PAUSED
+                return None
+            if head_deadline is None and self.h11.trailing_data[0]:
+                head_deadline = trio.current_time() + self.cfg.header_timeout
+            with trio.move_on_at(head_deadline or idle_deadline):
+                await self._wait_data()
+                continue
+            if head_deadline is not None:
+                await self._send_error(ApiError(408, "Timed out reading the request headers.",
+                                                code="request_timeout"))
+            return None
+
+    # ---- writing ---------------------------------------------------------------------------------------
+    async def send(self, event) -> None:
+        data = self.h11.send(event)
+        if not data:
+            return
+        try:
+            with trio.fail_after(self.cfg.write_timeout):
+                await self.stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError):
+            self.peer_gone = True
+            raise PeerGone() from None
+
+    async def _send_error(self, err: ApiError) -> None:
+        if self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            return
+        body = error_body(err)
+        headers = [(b"Content-Type", b"application/json"), (b"Content-Length", str(len(body)).encode()),
+                   (b"Connection", b"close")] + list(err.headers)
+        try:
+            await self.send(h11.Response(status_code=err.status, headers=headers, reason=_reason(err.status)))
+            await self.send(h11.Data(data=body))
+            await self.send(h11.EndOfMessage())
+        except (PeerGone, h11.LocalProtocolError):
+            pass
+
+    # ---- the request loop ------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        with self.scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._read_loop)
+                try:
+                    await self._serve()
+                finally:
+                    nursery.cancel_scope.cancel()
+        with trio.CancelScope(shield=True):
+            await self._close()
+
+    async def _serve(self) -> None:
+        while not self.server.closing:
+            self.idle = True
+            req = await self._read_request_head()
+            self.idle = False
+            if req is None:
+                return
+            exchange = Exchange(self, req)
+            with trio.CancelScope() as scope:
+                self.request_scope = scope
+                if self.peer_gone:
+                    scope.cancel()
+                try:
+                    await self.server.app(exchange)
+                except PeerGone:
+                    return
+                except ApiError as e:  # HTTP-level errors raised while reading (413, 408, malformed body)
+                    if not exchange.response_started:
+                        await self._send_error(e)
+                    return
+                except Exception:  # a bug in the application: log it, answer 500 if we still can, close
+                    log.exception("unhandled error in %s %s", exchange.method, exchange.path)
+                    if not exchange.response_started:
+                        await self._send_error(internal_error())
+                    return
+            self.request_scope = None
+            self.served += 1
+            if scope.cancelled_caught or self.peer_gone or not exchange.complete:
+                return
+            self._skip_buffered_body()
+            if self.overflow or self.h11.our_state is not h11.DONE or self.h11.their_state is not h11.DONE:
+                return
+            self.h11.start_next_cycle()
+
+    def _skip_buffered_body(self) -> None:
+        """Consume the rest of a request body the application did not read (a GET's empty one, or a body
+        answered with 401), as far as it is already here; if it is not all here, the connection will close."""
+        try:
+            while self.h11.their_state is h11.SEND_BODY:
+                if self.h11.next_event() in (h11.NEED_DATA, h11.PAUSED):
+                    return
+        except h11.RemoteProtocolError:
+            return
+
+    async def _close(self) -> None:
+        unread = (self.overflow or self.h11.their_state is h11.SEND_BODY) and not self.peer_gone
+        try:
+            if unread:  # lingering close: drain what the client is still sending, so that it gets to read our
+                await self.stream.send_eof()  # response (413 ...) instead of a connection reset
+                drained = 0
+                with trio.move_on_after(LINGER_S):
+                    while drained < LINGER_BYTES:
+                        data = await self.stream.receive_some(RECV_SIZE)
+                        if not data:
+                            break
+                        drained += len(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+        with trio.move_on_after(1.0):
+            await self.stream.aclose()
+
+
+class HttpServer:
+    def __init__(self, cfg: ServerConfig, app: App):
+        self.cfg = cfg
+        self.app = app
+        self.closing = False
+        self.connections: set[_Connection] = set()
+        self.listeners: list[trio.SocketListener] = []
+        self.ports: list[int] = []
+        self._accepting = trio.CancelScope()
+
+    async def listen(self) -> None:
+        """Bind now (errors surface here: port in use, bad host). Records the bound ports."""
+        try:
+            self.listeners = await trio.open_tcp_listeners(self.cfg.port, host=self.cfg.host)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise OSError(e.errno, f"cannot listen on {self.cfg.host}:{self.cfg.port}: address already in use"
+                              ) from None
+            raise OSError(e.errno, f"cannot listen on {self.cfg.host}:{self.cfg.port}: {e.strerror or e}") from None
+        self.ports = [ln.socket.getsockname()[1] for ln in self.listeners]
+
+    async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Accept until shutdown() is called; returns when every connection has ended."""
+        if not self.listeners:
+            await self.listen()
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started(self.ports)
+            with self._accepting:
+                async with trio.open_nursery() as accept:
+                    for ln in self.listeners:
+                        accept.start_soon(self._accept_loop, ln, nursery)
+            for ln in self.listeners:
+                await ln.aclose()
+
+    async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as e:  # EMFILE and friends: back off instead of spinning
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    await trio.sleep(0.1)
+                    continue
+                raise
+            nursery.start_soon(self._handle, stream)
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        conn = _Connection(self, stream)
+        self.connections.add(conn)
+        try:
+            await conn.run()
+        finally:
+            self.connections.discard(conn)
+
+    async def shutdown(self, grace_period: float | None = None) -> None:
+        """Stop accepting; idle connections close now, busy ones get the grace period, then are cancelled."""
+        grace = self.cfg.grace_period if grace_period is None else grace_period
+        self.closing = True
+        self._accepting.cancel()
+        with trio.move_on_after(grace):
+            while self.connections:
+                for conn in list(self.connections):
+                    if conn.idle:
+                        conn.scope.cancel()
+                await trio.sleep(0.02)
+        for conn in list(self.connections):
+            conn.scope.cancel()
+
+
+_REASONS = {100: b"Continue", 200: b"OK", 204: b"No Content", 400: b"Bad Request", 401: b"Unauthorized",
+            403: b"Forbidden", 404: b"Not Found", 405: b"Method Not Allowed", 408: b"Request Timeout",
+            413: b"Content Too Large", 415: b"Unsupported Media Type", 422: b"Unprocessable Content",
+            429: b"Too Many Requests", 431: b"Request Header Fields Too Large", 500: b"Internal Server Error",
+            503: b"Service Unavailable"}
+
+
+def _reason(status: int) -> bytes:
+    return _REASONS.get(status, b"")

@@ -1,0 +1,164 @@
+"""The command line as a user runs it: real subprocesses, real model directories, real signals."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from appliance.engine.generate import GenerationRequest
+from appliance.engine.model_dir import load_model
+from appliance.engine.sampling import SamplingParams
+from tests.support.live_server import RawClient, chat_body, request_bytes
+
+CLI = [sys.executable, "-m", "appliance"]
+
+
+def run(args, timeout=60, **kw):
+    return subprocess.run(CLI + args, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def assert_one_line_error(p, *fragments):
+    assert p.returncode != 0
+    assert "Traceback" not in p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip() and " INFO " not in ln]
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith("kestrel-appliance: error: ")
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+def test_version_both_entry_points():
+    p = run(["--version"])
+    assert p.returncode == 0 and re.fullmatch(r"kestrel-appliance \d+\.\d+\.\d+\S*\n", p.stdout)
+    script = os.path.join(os.path.dirname(sys.executable), "kestrel-appliance")
+    q = subprocess.run([script, "--version"], capture_output=True, text=True, timeout=60)
+    assert q.returncode == 0 and q.stdout == p.stdout
+
+
+def test_missing_and_unsupported_model(tmp_path):
+    assert_one_line_error(run(["--model", str(tmp_path / "nope")]), "does not exist", "nope")
+    assert_one_line_error(run(["--model", str(tmp_path / "nope"), "--prompt", "hi"]), "does not exist")
+    assert_one_line_error(run(["--model", str(tmp_path), "--port", "0"]), "config.json")
+    bert = tmp_path / "bert"
+    bert.mkdir()
+    (bert / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    assert_one_line_error(run(["--model", str(bert), "--port", "0"]), "unsupported model type", "bert")
+    assert_one_line_error(run(["--model", str(bert), "--prompt", "hi"]), "unsupported model type")
+    (bert / "config.json").write_text("{not json")
+    assert_one_line_error(run(["--model", str(bert), "--port", "0"]), "config.json")
+
+
+def test_port_in_use_and_bad_key_file(tiny_qwen3_tied, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert_one_line_error(run(["--model", tiny_qwen3_tied, "--port", str(port)]), "address already in use",
+                              str(port))
+    assert_one_line_error(run(["--model", tiny_qwen3_tied, "--api-key-file", str(tmp_path / "missing")]),
+                          "--api-key-file")
+    empty = tmp_path / "empty"
+    empty.write_text("\n\n")
+    assert_one_line_error(run(["--model", tiny_qwen3_tied, "--api-key-file", str(empty)]), "no key")
+    p = run(["--model", tiny_qwen3_tied, "--queue", "-1"])
+    assert p.returncode == 2 and "Traceback" not in p.stderr and "--queue" in p.stderr
+
+
+def test_one_shot_prompt_streams_the_engines_reply(tiny_qwen3_tied):
+    loaded = load_model(tiny_qwen3_tied)
+    prompt = loaded.chat_template.render([{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "Name three colours."}],
+                                         add_generation_prompt=True, enable_thinking=False)
+    req = GenerationRequest(prompt_ids=loaded.tokenizer.encode(prompt), sampling=SamplingParams(temperature=0.0),
+                            max_tokens=40, ignore_eos=False)
+    expected = "".join(ev.text for ev in loaded.engine.generate(req)) + "\n"
+
+    proc = subprocess.Popen(CLI + ["--model", tiny_qwen3_tied, "--prompt", "Name three colours.", "--system",
+                                   "Be brief.", "--no-think", "--temperature", "0", "--max-tokens", "40"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    reads = []
+    while True:
+        data = os.read(proc.stdout.fileno(), 65536)
+        if not data:
+            break
+        reads.append((data, proc.poll() is None))
+    proc.wait(60)
+    err = proc.stderr.read().decode()
+    assert proc.returncode == 0, err
+    assert b"".join(d for d, _ in reads).decode("utf-8") == expected
+    assert reads[0][1], "the first text arrived only after the process ended"
+
+
+def start_server(model, *extra) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen(CLI + ["--model", model, "--port", "0", *extra], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    port = None
+    deadline = time.monotonic() + 60
+    while port is None:
+        line = proc.stderr.readline()
+        assert line or proc.poll() is None, "server exited"
+        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+        if m:
+            port = int(m.group(1))
+        assert time.monotonic() < deadline
+    while True:  # ready?
+        c = RawClient(port, timeout=10)
+        c.send(request_bytes("GET", "/health"))
+        r = c.read_head()
+        c.read_body(r)
+        c.close()
+        if r.status == 200:
+            return proc, port
+        assert r.status == 503 and time.monotonic() < deadline
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_on_idle_server_exits_0(tiny_qwen3_tied, sig):
+    proc, port = start_server(tiny_qwen3_tied)
+    proc.send_signal(sig)
+    assert proc.wait(30) == 0
+    assert "Traceback" not in proc.stderr.read()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+def test_sigterm_lets_in_flight_stream_finish_then_exits_0(tiny_qwen3_tied):
+    proc, port = start_server(tiny_qwen3_tied, "--grace", "30")
+    c = RawClient(port)
+    c.send(request_bytes("POST", "/v1/chat/completions",
+                         chat_body("Hello", stream=True, max_tokens=40, ignore_eos=True)))
+    r = c.read_head()
+    c.read_events(r, stop_after=3)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    with pytest.raises(OSError):  # no longer accepting
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    c.read_events(r)
+    c.close()
+    assert r.data_events()[-1] == b"data: [DONE]\n\n"
+    assert r.json_events()[-1]["choices"][0]["finish_reason"] == "length"
+    assert proc.wait(30) == 0
+
+
+def test_sigterm_cancels_what_outlives_the_grace_period(tiny_qwen3_tied):
+    proc, port = start_server(tiny_qwen3_tied, "--grace", "0.5")
+    c = RawClient(port)
+    c.send(request_bytes("POST", "/v1/chat/completions",
+                         chat_body("Hello", stream=True, max_tokens=3000, ignore_eos=True)))
+    r = c.read_head()
+    c.read_events(r, stop_after=3)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    assert time.monotonic() - t0 < 15
+    c.read_events(r)  # the stream ends (closed without [DONE])
+    c.close()
+    assert b"data: [DONE]\n\n" not in r.data_events()

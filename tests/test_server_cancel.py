@@ -1,0 +1,157 @@
+"""Disconnects and the queue, end to end: real sockets, the real engine on a tiny real checkpoint.
+
+Assertions are on engine-side counters (the worker's JobTrace, the engine's own chunk/step counters), not on
+wall time: "stopped within one chunk/step" means no prefill chunk and at most one decode step started after
+the cancel flag was set, and the engine polled the flag exactly once more (and stopped there).
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tests.support.live_server import LiveServer, RawClient, chat_body, request_bytes
+
+PREFILL_CHUNK = 16
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3_tied):
+    with LiveServer(tiny_qwen3_tied, queue=2, prefill_chunk=PREFILL_CHUNK, queue_keepalive_s=0.2) as s:
+        yield s
+
+
+def long_prompt(n_words: int = 1200) -> str:
+    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "seven", "blue", "quick", "fox"]
+    return " ".join(words[(i * 7) % len(words)] + str(i % 13) for i in range(n_words))
+
+
+def open_stream(server, body) -> tuple[RawClient, object]:
+    c = RawClient(server.port)
+    c.send(request_bytes("POST", "/v1/chat/completions", body))
+    r = c.read_head()
+    assert r.status == 200
+    return c, r
+
+
+def finished_trace(server, n_before: int, index: int = 0):
+    server.wait_for(lambda: len(server.traces()) > n_before + index, what="the engine to finish the job")
+    return server.traces()[n_before + index]
+
+
+def assert_served(client, r) -> list[dict]:
+    client.read_events(r)
+    client.close()
+    assert r.data_events()[-1] == b"data: [DONE]\n\n"
+    return r.json_events()
+
+
+def test_disconnect_during_prefill_stops_between_chunks(server):
+    engine = server.worker.loaded.engine
+    n_before = len(server.traces())
+    chunks_before = engine.prefill_chunks_run
+    a, ra = open_stream(server, chat_body(long_prompt(), stream=True, max_tokens=50))
+    a.read_events(ra, stop_after=1)  # the role frame
+    b, rb = open_stream(server, chat_body("Next one", stream=True, max_tokens=4, ignore_eos=True))
+    server.wait_for(lambda: server.worker.current is not None and server.worker.current.polls >= 3,
+                    what="prefill to be under way")
+    a.close()  # the client goes away in the middle of prefill
+
+    t = finished_trace(server, n_before)
+    n_chunks = math.ceil(t.prompt_tokens / PREFILL_CHUNK)
+    assert t.finish_reason == "cancelled" and t.cancel_requested
+    assert t.tokens == 0                                  # it never reached decode
+    assert 3 <= t.prefill_chunks < n_chunks               # stopped part-way through the prompt
+    assert t.prefill_chunks <= t.polls_at_cancel          # no chunk started after the flag was set
+    assert t.polls_after_cancel == 1                      # the very next poll saw it, and generation ended
+    assert engine.prefill_chunks_run - chunks_before >= t.prefill_chunks
+
+    events = assert_served(b, rb)                         # the next request is served
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    t_b = finished_trace(server, n_before, 1)
+    assert t_b.finish_reason == "length" and t_b.started >= t.finished
+
+
+def test_disconnect_mid_decode_stops_within_one_step(server):
+    engine = server.worker.loaded.engine
+    n_before = len(server.traces())
+    steps_before = engine.decode_steps_run
+    a, ra = open_stream(server, chat_body("Tell me a long story.", stream=True, max_tokens=2000, ignore_eos=True))
+    a.read_events(ra, stop_after=6)  # role frame + 5 token events
+    b, rb = open_stream(server, chat_body("Next one", stream=True, max_tokens=3, ignore_eos=True))
+    a.close()
+
+    t = finished_trace(server, n_before)
+    assert t.finish_reason == "cancelled"
+    assert 5 <= t.tokens < 2000
+    assert t.tokens_after_cancel <= 1                     # at most the step that was running
+    assert t.polls_after_cancel == 1
+    # the engine's own step counter agrees: one forward per token after the first, none after the stop
+    assert engine.decode_steps_run - steps_before >= t.tokens - 1
+
+    events = assert_served(b, rb)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert finished_trace(server, n_before, 1).started >= t.finished
+
+
+def test_disconnect_of_non_stream_request(server):
+    n_before = len(server.traces())
+    c = RawClient(server.port)
+    c.send(request_bytes("POST", "/v1/chat/completions", chat_body("Hello", max_tokens=2000, ignore_eos=True)))
+    server.wait_for(lambda: server.worker.current is not None and server.worker.current.tokens >= 3,
+                    what="decode to be under way")
+    c.close()
+    t = finished_trace(server, n_before)
+    assert t.finish_reason == "cancelled" and t.tokens < 2000
+    assert t.tokens_after_cancel <= 1 and t.polls_after_cancel == 1
+
+
+def test_queue_order_and_429(server):
+    n_before = len(server.traces())
+    started_before = server.worker.stats.requests_started
+    a, ra = open_stream(server, chat_body("Running", stream=True, max_tokens=2000, ignore_eos=True))
+    a.read_events(ra, stop_after=2)
+    # B and C wait in line (queue=2), with different prompt lengths to tell their traces apart
+    b, rb = open_stream(server, chat_body("Second", stream=True, max_tokens=3, ignore_eos=True))
+    server.wait_for(lambda: server.worker.waiting == 1, what="B to queue")
+    c = RawClient(server.port)
+    c.send(request_bytes("POST", "/v1/chat/completions",
+                         chat_body("Third request, longer prompt here", max_tokens=3, ignore_eos=True)))
+    server.wait_for(lambda: server.worker.waiting == 2, what="C to queue")
+
+    d = RawClient(server.port)
+    d.send(request_bytes("POST", "/v1/chat/completions", chat_body("Fourth", stream=True, max_tokens=3)))
+    rd = d.read_head()
+    body = json.loads(d.read_body(rd))
+    d.close()
+    assert rd.status == 429
+    assert int(rd.header("Retry-After")) >= 1
+    assert body["error"]["type"] == "rate_limit_error" and body["error"]["code"] == "queue_full"
+    assert server.worker.stats.requests_started == started_before + 1  # only A has run so far
+
+    a.close()
+    assert_served(b, rb)
+    rc = c.read_head()
+    resp = json.loads(c.read_body(rc))
+    c.close()
+    assert rc.status == 200 and resp["choices"][0]["finish_reason"] == "length"
+    ta, tb, tc = (finished_trace(server, n_before, i) for i in range(3))
+    assert ta.finish_reason == "cancelled"
+    assert tb.prompt_tokens < tc.prompt_tokens          # B (shorter prompt) ran before C
+    assert ta.finished <= tb.started and tb.finished <= tc.started
+    assert server.worker.waiting == 0
+
+
+def test_client_leaving_the_queue_never_runs(server):
+    started_before = server.worker.stats.requests_started
+    a, ra = open_stream(server, chat_body("Running", stream=True, max_tokens=2000, ignore_eos=True))
+    a.read_events(ra, stop_after=2)
+    b, rb = open_stream(server, chat_body("Waiting", stream=True, max_tokens=3))
+    b.read_events(rb, until=lambda r: any(e == b": queued\n\n" for _, e in r.events))
+    assert server.worker.waiting == 1
+    b.close()
+    server.wait_for(lambda: server.worker.waiting == 0, what="B to leave the line")
+    a.close()
+    server.wait_for(lambda: not server.worker.busy, what="the engine to go idle")
+    assert server.worker.stats.requests_started == started_before + 1

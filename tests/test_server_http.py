@@ -1,0 +1,209 @@
+"""HTTP behaviour over a real socket: routing, auth, CORS, limits, timeouts, keep-alive, errors as OpenAI JSON."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from tests.support.live_server import LiveServer, RawClient, chat_body, request_bytes
+
+KEY = "s3cret-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3_tied):
+    with LiveServer(tiny_qwen3_tied, api_keys=(KEY,), max_body=64 * 1024, max_header=4096, header_timeout=0.5,
+                    keepalive_timeout=0.5, body_timeout=0.5) as s:
+        yield s
+
+
+def exchange(server, raw: bytes) -> tuple[object, bytes]:
+    c = RawClient(server.port, timeout=10)
+    c.send(raw)
+    r = c.read_head()
+    body = c.read_body(r)
+    c.close()
+    return r, body
+
+
+def error_of(body: bytes) -> dict:
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+def test_unknown_path_and_wrong_method(server):
+    r, body = exchange(server, request_bytes("GET", "/v2/nothing", headers=AUTH))
+    assert r.status == 404 and error_of(body)["type"] == "not_found_error"
+    assert r.header("Access-Control-Allow-Origin") == "*"
+    r, body = exchange(server, request_bytes("GET", "/v1/chat/completions", headers=AUTH))
+    assert r.status == 405 and r.header("Allow") == "POST, OPTIONS"
+    assert error_of(body)["type"] == "invalid_request_error"
+
+
+def test_auth(server):
+    body = chat_body(max_tokens=1)
+    r, b = exchange(server, request_bytes("POST", "/v1/chat/completions", body))
+    assert r.status == 401 and error_of(b)["type"] == "authentication_error"
+    r, b = exchange(server, request_bytes("POST", "/v1/chat/completions", body,
+                                          headers={"Authorization": "Bearer s3cret-kez"}))
+    assert r.status == 401 and error_of(b)["code"] == "invalid_api_key"
+    r, b = exchange(server, request_bytes("POST", "/v1/chat/completions", body,
+                                          headers={"Authorization": KEY}))  # no Bearer scheme
+    assert r.status == 401
+    r, b = exchange(server, request_bytes("POST", "/v1/chat/completions", body, headers=AUTH))
+    assert r.status == 200 and json.loads(b)["object"] == "chat.completion"
+    for open_path in ("/health", "/v1/models"):
+        r, b = exchange(server, request_bytes("GET", open_path))
+        assert r.status == 200, open_path
+    r, b = exchange(server, request_bytes("GET", "/metrics"))
+    assert r.status == 401
+    r, b = exchange(server, request_bytes("GET", "/metrics", headers=AUTH))
+    assert r.status == 200 and r.header("Content-Type").startswith("text/plain; version=0.0.4")
+    text = b.decode()
+    assert 'kestrel_requests_total{endpoint="/v1/chat/completions",code="401"} 3' in text
+    assert "kestrel_ready 1" in text and "kestrel_generated_tokens_total" in text
+
+
+def test_cors_preflight_needs_no_key(server):
+    r, b = exchange(server, request_bytes("OPTIONS", "/v1/chat/completions", headers={
+        "Origin": "http://example.org", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"}))
+    assert r.status == 204 and b == b""
+    assert r.header("Access-Control-Allow-Origin") == "*"
+    assert "POST" in r.header("Access-Control-Allow-Methods")
+    assert r.header("Access-Control-Allow-Headers") == "authorization, content-type"
+
+
+def test_bad_bodies_are_400_never_500(server):
+    bodies = [b"", b"{", b"[]", b"null", b'"text"', b"\xff\xfe", b'{"messages": null}', b'{"messages": []}',
+              b'{"messages": [{"role": "user"}]}', b'{"messages": [{"role": "user", "content": 5}]}',
+              b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}',
+              b'{"messages": [{"role": "user", "content": "x"}], "stream": "yes"}',
+              b'{"messages": [{"role": "user", "content": "x"}], "stop": [1, 2]}',
+              b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1e400}',
+              b"[" * 10000 + b"]" * 10000]
+    for body in bodies:
+        for path in ("/v1/chat/completions", "/v1/completions"):
+            raw = (f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                   f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+            r, b = exchange(server, raw)
+            assert r.status == 400, (path, body[:40], b)
+            assert error_of(b)["type"] == "invalid_request_error"
+    r, b = exchange(server, request_bytes("POST", "/v1/completions", {"prompt": [10**9], "max_tokens": 1},
+                                          headers=AUTH))
+    assert r.status == 400 and error_of(b)["param"] == "prompt"
+
+
+def test_body_too_large(server):
+    # declared too large: answered before the body is sent
+    raw = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+           f"Content-Length: {1 << 20}\r\n\r\n").encode()
+    r, b = exchange(server, raw)
+    assert r.status == 413 and error_of(b)["code"] == "request_too_large"
+    assert r.header("Connection") == "close"
+    # chunked, and it only turns out too large while reading
+    c = RawClient(server.port, timeout=10)
+    c.send(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+           f"Transfer-Encoding: chunked\r\n\r\n".encode())
+    piece = b"x" * 8192
+    try:
+        for _ in range(10):
+            c.send(b"%x\r\n" % len(piece) + piece + b"\r\n")
+    except OSError:
+        pass
+    r = c.read_head()
+    assert r.status == 413
+    c.close()
+
+
+def test_header_too_large(server):
+    r, b = exchange(server, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 8000 + b"\r\n\r\n")
+    assert r.status == 431 and "error" in json.loads(b)
+
+
+def test_malformed_request_line(server):
+    r, b = exchange(server, b"HELLO THERE\r\n\r\n")
+    assert r.status == 400 and error_of(b)["type"] == "invalid_request_error"
+
+
+def test_slow_headers_get_408_and_idle_connections_close(server):
+    c = RawClient(server.port, timeout=10)
+    c.send(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and then nothing
+    t0 = time.monotonic()
+    r = c.read_head()
+    assert r.status == 408 and time.monotonic() - t0 < 5
+    c.close()
+
+    c = RawClient(server.port, timeout=10)
+    c.send(request_bytes("GET", "/health"))
+    r = c.read_head()
+    c.read_body(r)
+    assert r.status == 200
+    t0 = time.monotonic()
+    assert c.sock.recv(100) == b""  # keep-alive timeout (0.5 s): the server closes the idle connection
+    assert time.monotonic() - t0 < 5
+    c.close()
+
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=10)  # never sends a byte
+    assert s.recv(100) == b""
+    s.close()
+
+
+def test_slow_body_gets_408(server):
+    c = RawClient(server.port, timeout=10)
+    c.send(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+           f"Content-Length: 100\r\n\r\n{{".encode())
+    r = c.read_head()
+    assert r.status == 408
+    c.close()
+
+
+def test_keep_alive_pipelining_http10_and_expect_continue(server):
+    c = RawClient(server.port, timeout=10)
+    c.send(request_bytes("GET", "/health") + request_bytes("GET", "/v1/models"))  # pipelined
+    r1 = c.read_head()
+    b1 = json.loads(c.read_body(r1))
+    r2 = c.read_head()
+    b2 = json.loads(c.read_body(r2))
+    assert b1["status"] == "ok" and b2["object"] == "list"
+    c.close()
+
+    r, b = exchange(server, request_bytes("GET", "/health", version="1.0"))
+    assert r.status == 200 and json.loads(b)["status"] == "ok"
+
+    body = json.dumps(chat_body(max_tokens=1)).encode()
+    c = RawClient(server.port, timeout=10)
+    c.send(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+           f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nExpect: 100-continue\r\n\r\n".encode())
+    r = c.read_head()
+    assert r.status == 100
+    c.send(body)
+    r = c.read_head()
+    assert r.status == 200 and json.loads(c.read_body(r))["usage"]["completion_tokens"] == 1
+    c.close()
+
+
+def test_health_is_503_while_loading(tiny_qwen3_tied):
+    from appliance.engine.model_dir import load_model
+
+    gate = threading.Event()
+
+    def slow_load():
+        gate.wait(60)
+        return load_model(tiny_qwen3_tied)
+
+    with LiveServer(tiny_qwen3_tied, load=slow_load, wait_ready=False) as s:
+        r, b = exchange(s, request_bytes("GET", "/health"))
+        assert r.status == 503 and json.loads(b) == {"status": "loading"}
+        r, b = exchange(s, request_bytes("POST", "/v1/chat/completions", chat_body(max_tokens=1)))
+        assert r.status == 503 and error_of(b)["code"] == "model_loading"
+        gate.set()
+        s.wait_for(lambda: s.worker.state == "ready", what="the model to load")
+        r, b = exchange(s, request_bytes("GET", "/health"))
+        body = json.loads(b)
+        assert r.status == 200 and body["status"] == "ok" and body["queue_depth"] == 0
