@@ -1,0 +1,207 @@
+"""One generation's engine events -> the bytes of its SSE stream, or its non-stream response.
+
+Policies:
+- Stream and non-stream share one path: every token's text goes through the reasoning splitter (and the tool-call
+  parser when the request has tools), so both report the same content / reasoning_content / tool_calls.
+- One event per decoded token: a token whose text is all held back (part of a character, a possible stop string,
+  a partial tag, a tool-call block) sends nothing, and its logprob rides on the next event that does.
+- After the last token: any released tail, the finish chunk (with timings), then usage / metrics / tokens when
+  asked, then [DONE]. finish_reason becomes "tool_calls" when the model stopped after calling tools.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from appliance.protocol.chunks import (ChatChunks, CompletionChunks, chat_completion, new_completion_id,
+                                       text_completion)
+from appliance.protocol.logprobs import LogprobEntry
+from appliance.protocol.reasoning import ReasoningSplitter
+from appliance.protocol.sse import SSE_DONE, sse_event
+from appliance.protocol.stats import GenerationStats
+from appliance.protocol.tool_calls import ToolCallParser, new_call_id
+
+
+class _Tail:
+    """The closing events both endpoints share."""
+
+    def __init__(self, include_metrics: bool, include_tokens: bool):
+        self.include_metrics = include_metrics
+        self.include_tokens = include_tokens
+
+    def tail(self, chunks: Any, finish: dict, stats: GenerationStats, prompt_ids: Sequence[int],
+             completion_ids: Sequence[int]) -> bytes:
+        out = [sse_event(finish)]
+        if chunks.include_usage:
+            out.append(sse_event(chunks.usage(stats.prompt_tokens, stats.completion_tokens)))
+        if self.include_metrics:
+            out.append(sse_event(chunks.metrics(stats)))
+        if self.include_tokens:
+            out.append(sse_event(chunks.tokens([*prompt_ids, *completion_ids])))
+        out.append(SSE_DONE)
+        return b"".join(out)
+
+
+class ChatAssembler(_Tail):
+    """`chunks.include_usage` decides the usage event (its chunks then carry "usage": null, as OpenAI's do)."""
+
+    def __init__(self, chunks: ChatChunks, *, in_reasoning: bool = False, reasoning: bool = True,
+                 tools: bool = False, logprobs: bool = False, include_metrics: bool = False,
+                 include_tokens: bool = False, new_id: Callable[[], str] = new_call_id):
+        super().__init__(include_metrics, include_tokens)
+        self.chunks = chunks
+        self._splitter = ReasoningSplitter(in_reasoning) if reasoning else None
+        self._tools = ToolCallParser(new_id) if tools else None
+        self._logprobs = logprobs
+        self._pending_lp: list[LogprobEntry] = []
+        self.reasoning_parts: list[str] = []
+        self.content_parts: list[str] = []
+        self.logprob_entries: list[LogprobEntry] = []
+
+    @classmethod
+    def for_request(cls, req: Any, *, model: str, created: int, in_reasoning: bool = False,
+                    completion_id: str | None = None, reasoning: bool = True) -> "ChatAssembler":
+        """From a parsed ChatRequest; `in_reasoning`: the rendered prompt left a think block open."""
+        chunks = ChatChunks(completion_id or new_completion_id("chatcmpl"), model, created,
+                            include_usage=req.include_usage)
+        return cls(chunks, in_reasoning=in_reasoning, reasoning=reasoning, tools=bool(req.tools),
+                   logprobs=req.sampling.logprobs, include_metrics=req.include_metrics,
+                   include_tokens=req.include_tokens)
+
+    # -- routing ---------------------------------------------------------------------------------------
+    def _route(self, text: str, final: bool) -> tuple[str, str, list[dict[str, Any]]]:
+        if self._splitter is None:
+            pieces = [("content", text)] if text else []
+        else:
+            pieces = self._splitter.push(text) + (self._splitter.flush() if final else [])
+        reasoning, content, calls = [], [], []
+        for kind, piece in pieces:
+            if kind == "reasoning":
+                reasoning.append(piece)
+            elif self._tools is None:
+                content.append(piece)
+            else:
+                self._sort(self._tools.push(piece), content, calls)
+        if final and self._tools is not None:
+            self._sort(self._tools.flush(), content, calls)
+        r, c = "".join(reasoning), "".join(content)
+        self.reasoning_parts.append(r)
+        self.content_parts.append(c)
+        return r, c, calls
+
+    @staticmethod
+    def _sort(pieces: list, content: list[str], calls: list[dict[str, Any]]) -> None:
+        for kind, value in pieces:
+            if kind == "content":
+                content.append(value)
+            else:
+                calls.append(value)
+
+    def _delta(self, text: str, logprob: LogprobEntry | None, final: bool) -> bytes:
+        if logprob is not None and self._logprobs:
+            self._pending_lp.append(logprob)
+            self.logprob_entries.append(logprob)
+        r, c, calls = self._route(text, final)
+        if not (r or c or calls or (final and self._pending_lp)):
+            return b""
+        n0 = len(self.calls) - len(calls)
+        deltas = [{"index": n0 + i, **call} for i, call in enumerate(calls)] or None
+        lp = self._pending_lp if self._logprobs else None
+        self._pending_lp = []
+        return sse_event(self.chunks.delta(content=c or None, reasoning_content=r or None, logprobs=lp,
+                                           tool_calls=deltas))
+
+    @property
+    def calls(self) -> list[dict[str, Any]]:
+        return self._tools.calls if self._tools is not None else []
+
+    def finish_reason(self, reason: str) -> str:
+        return "tool_calls" if reason == "stop" and self.calls else reason
+
+    # -- stream ------------------------------------------------------------------------------------------
+    def start(self) -> bytes:
+        """The role frame, sent before prefill."""
+        return sse_event(self.chunks.role())
+
+    def token(self, text: str, logprob: LogprobEntry | None = None) -> bytes:
+        """The event of one decoded token (b"" when its text is held back)."""
+        return self._delta(text, logprob, final=False)
+
+    def finish(self, reason: str, text: str, stats: GenerationStats, prompt_ids: Sequence[int] = (),
+               completion_ids: Sequence[int] = ()) -> bytes:
+        """Everything after the last token, through [DONE]."""
+        head = self._delta(text, None, final=True)
+        return head + self.tail(self.chunks, self.chunks.finish(self.finish_reason(reason), stats), stats,
+                                prompt_ids, completion_ids)
+
+    # -- non-stream ----------------------------------------------------------------------------------------
+    def response(self, reason: str, text: str, stats: GenerationStats) -> dict[str, Any]:
+        """The chat.completion object, after every token went through token() (their bytes ignored)."""
+        self._delta(text, None, final=True)
+        content = "".join(self.content_parts)
+        reasoning = "".join(self.reasoning_parts)
+        saw_reasoning = self._splitter is not None and self._splitter.saw_reasoning
+        return chat_completion(self.chunks.completion_id, self.chunks.model, self.chunks.created,
+                               content=None if (self.calls and not content) else content,
+                               reasoning_content=reasoning if saw_reasoning else None,
+                               finish_reason=self.finish_reason(reason), prompt_tokens=stats.prompt_tokens,
+                               completion_tokens=stats.completion_tokens, timings=stats,
+                               logprobs=self.logprob_entries if self._logprobs else None,
+                               tool_calls=self.calls or None,
+                               system_fingerprint=self.chunks.system_fingerprint)
+
+
+class CompletionAssembler(_Tail):
+    def __init__(self, chunks: CompletionChunks, *, echo: str = "", logprobs: bool = False,
+                 include_metrics: bool = False, include_tokens: bool = False):
+        super().__init__(include_metrics, include_tokens)
+        self.chunks = chunks
+        self.echo = echo
+        self._logprobs = logprobs
+        self._pending_lp: list[LogprobEntry] = []
+        self.logprob_entries: list[LogprobEntry] = []
+        self.parts: list[str] = []
+        self._emitted = len(echo)      # characters streamed so far (text_offset of the next piece)
+
+    @classmethod
+    def for_request(cls, req: Any, *, model: str, created: int, echo_text: str = "",
+                    completion_id: str | None = None) -> "CompletionAssembler":
+        """From a parsed CompletionRequest; `echo_text`: the prompt as text, echoed when req.echo."""
+        chunks = CompletionChunks(completion_id or new_completion_id("cmpl"), model, created,
+                                  include_usage=req.include_usage)
+        return cls(chunks, echo=echo_text if req.echo else "", logprobs=req.sampling.logprobs,
+                   include_metrics=req.include_metrics, include_tokens=req.include_tokens)
+
+    def start(self) -> bytes:
+        """The echoed prompt, if asked (otherwise nothing: completions have no role frame)."""
+        return sse_event(self.chunks.text(self.echo)) if self.echo else b""
+
+    def _piece(self, text: str, logprob: LogprobEntry | None, final: bool) -> bytes:
+        if logprob is not None and self._logprobs:
+            self._pending_lp.append(logprob)
+            self.logprob_entries.append(logprob)
+        if text:
+            self.parts.append(text)
+        if not text and not (final and self._pending_lp):
+            return b""
+        lp = self._pending_lp if self._logprobs else None
+        self._pending_lp = []
+        ev = sse_event(self.chunks.text(text, lp, text_offset=self._emitted))
+        self._emitted += len(text)
+        return ev
+
+    def token(self, text: str, logprob: LogprobEntry | None = None) -> bytes:
+        return self._piece(text, logprob, final=False)
+
+    def finish(self, reason: str, text: str, stats: GenerationStats, prompt_ids: Sequence[int] = (),
+               completion_ids: Sequence[int] = ()) -> bytes:
+        head = self._piece(text, None, final=True)
+        return head + self.tail(self.chunks, self.chunks.finish(reason, stats), stats, prompt_ids, completion_ids)
+
+    def response(self, reason: str, text: str, stats: GenerationStats) -> dict[str, Any]:
+        if text:
+            self.parts.append(text)
+        return text_completion(self.chunks.completion_id, self.chunks.model, self.chunks.created,
+                               text=self.echo + "".join(self.parts), finish_reason=reason,
+                               prompt_tokens=stats.prompt_tokens, completion_tokens=stats.completion_tokens,
+                               timings=stats, logprobs=self.logprob_entries if self._logprobs else None,
+                               text_offset=len(self.echo), system_fingerprint=self.chunks.system_fingerprint)
