@@ -50,6 +50,8 @@ def test_chat_stream_bytes_one_event_per_token():
         "[DONE]"]
     assert tail[1]["timings"]["predicted_n"] == 3 and tail[2]["usage"]["total_tokens"] == 7
     assert tail[4]["tokens"] == [1, 2, 3, 4, 5, 6, 7]
+    # "<think>", "\nhm" and "</think>..." were spent in the think block
+    assert tail[2]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 3}
 
 
 def test_minimal_stream_tail_is_finish_then_done():
@@ -112,6 +114,7 @@ def test_non_stream_plain_and_no_reasoning_field_without_think():
         a.token(t)
     body = a.response("length", " you", STATS)
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello you"}
+    assert "completion_tokens_details" not in body["usage"]
     assert body["choices"][0]["finish_reason"] == "length" and body["timings"] == STATS.timings()
 
 

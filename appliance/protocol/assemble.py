@@ -29,10 +29,10 @@ class _Tail:
         self.include_tokens = include_tokens
 
     def tail(self, chunks: Any, finish: dict, stats: GenerationStats, prompt_ids: Sequence[int],
-             completion_ids: Sequence[int]) -> bytes:
+             completion_ids: Sequence[int], reasoning_tokens: int | None = None) -> bytes:
         out = [sse_event(finish)]
         if chunks.include_usage:
-            out.append(sse_event(chunks.usage(stats.prompt_tokens, stats.completion_tokens)))
+            out.append(sse_event(chunks.usage(stats.prompt_tokens, stats.completion_tokens, reasoning_tokens)))
         if self.include_metrics:
             out.append(sse_event(chunks.metrics(stats)))
         if self.include_tokens:
@@ -56,6 +56,13 @@ class ChatAssembler(_Tail):
         self.reasoning_parts: list[str] = []
         self.content_parts: list[str] = []
         self.logprob_entries: list[LogprobEntry] = []
+        self._reasoning_token_count = 0
+
+    @property
+    def reasoning_tokens(self) -> int | None:
+        """Tokens spent inside think blocks (None when the model did not think)."""
+        saw = self._splitter is not None and self._splitter.saw_reasoning
+        return self._reasoning_token_count if saw else None
 
     @classmethod
     def for_request(cls, req: Any, *, model: str, created: int, in_reasoning: bool = False,
@@ -124,14 +131,18 @@ class ChatAssembler(_Tail):
 
     def token(self, text: str, logprob: LogprobEntry | None = None) -> bytes:
         """The event of one decoded token (b"" when its text is held back)."""
-        return self._delta(text, logprob, final=False)
+        was_reasoning = self._splitter is not None and self._splitter.in_reasoning
+        ev = self._delta(text, logprob, final=False)
+        if was_reasoning or (self._splitter is not None and self._splitter.in_reasoning):
+            self._reasoning_token_count += 1
+        return ev
 
     def finish(self, reason: str, text: str, stats: GenerationStats, prompt_ids: Sequence[int] = (),
                completion_ids: Sequence[int] = ()) -> bytes:
         """Everything after the last token, through [DONE]."""
         head = self._delta(text, None, final=True)
         return head + self.tail(self.chunks, self.chunks.finish(self.finish_reason(reason), stats), stats,
-                                prompt_ids, completion_ids)
+                                prompt_ids, completion_ids, self.reasoning_tokens)
 
     # -- non-stream ----------------------------------------------------------------------------------------
     def response(self, reason: str, text: str, stats: GenerationStats) -> dict[str, Any]:
@@ -146,7 +157,7 @@ class ChatAssembler(_Tail):
                                finish_reason=self.finish_reason(reason), prompt_tokens=stats.prompt_tokens,
                                completion_tokens=stats.completion_tokens, timings=stats,
                                logprobs=self.logprob_entries if self._logprobs else None,
-                               tool_calls=self.calls or None,
+                               tool_calls=self.calls or None, reasoning_tokens=self.reasoning_tokens,
                                system_fingerprint=self.chunks.system_fingerprint)
 
 
