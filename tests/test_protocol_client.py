@@ -96,3 +96,28 @@ def test_error_body_surfaces_as_client_exception():
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], n=2)
     assert info.value.param == "n" and info.value.code == "unsupported_value"
     assert "Invalid 'n'" in str(info.value)
+
+
+def test_client_stream_helper_accumulates_our_tool_call_and_reasoning_deltas():
+    """openai's chat.completions.stream() helper merges deltas by index into a final ChatCompletion."""
+    import itertools
+
+    from appliance.protocol.assemble import ChatAssembler
+
+    n = itertools.count()
+    a = ChatAssembler(ChatChunks("chatcmpl-x", "m", 1, include_usage=True), tools=True,
+                      new_id=lambda: f"call_{next(n)}")
+    toks = ["<think>", "\nweather?", "\n</think>\n\n", "Checking.", "\n<tool_call>",
+            "\n{\"name\": \"w\", \"arguments\": {\"c\": \"巴黎\"}}\n</tool_call>"]
+    body = a.start() + b"".join(a.token(t) for t in toks) + a.finish("stop", "", STATS)
+    client = client_for(200, body, SSE_HEADERS)
+    tools = [{"type": "function", "function": {"name": "w", "parameters": {"type": "object"}}}]
+    with client.chat.completions.stream(model="m", messages=[{"role": "user", "content": "x"}],
+                                        tools=tools) as stream:
+        final = stream.get_final_completion()
+    choice = final.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Checking."
+    assert [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls] == \
+        [("call_0", "w", "{\"c\": \"巴黎\"}")]
+    assert final.usage.total_tokens == 5
