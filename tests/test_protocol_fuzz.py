@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from appliance.protocol.errors import ApiError
+from appliance.protocol.errors import ApiError, error_body
 from appliance.protocol.requests import ChatRequest, CompletionRequest, parse_chat_request, parse_completion_request
 
 FIELDS = ["messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
@@ -30,7 +30,8 @@ def rand_value(rng: random.Random, depth: int = 0):
     if k == "float":
         return rng.choice([0.0, 0.5, 1.0, 1.5, -0.5, 2.0, 2.5, 1e300, -1e-300])
     if k == "str":
-        return rng.choice(["", "a", "user", "assistant", "tool", "text", "image_url", "auto", "none", "\x00", "é"])
+        return rng.choice(["", "a", "user", "assistant", "tool", "text", "image_url", "auto", "none", "\x00", "é",
+                           "\ud800", "😀"])
     if k == "list":
         return [rand_value(rng, depth + 1) for _ in range(rng.randint(0, 5))]
     keys = ["role", "content", "type", "text", "function", "name", "arguments", "tool_calls", "image_url", "url",
@@ -59,6 +60,7 @@ def test_random_bodies_end_in_a_request_or_a_400(seed):
                 r = parse(raw, defaults={"temperature": 0.6}, context_length=4096)
             except ApiError as e:
                 assert e.status == 400 and e.type == "invalid_request_error" and e.message
+                json.loads(error_body(e))
                 outcomes["400"] += 1
             else:
                 assert isinstance(r, kind)
@@ -79,3 +81,4 @@ def test_random_bytes_end_in_a_400(seed):
             parse_chat_request(bytes(raw), context_length=4096)
         except ApiError as e:
             assert e.status == 400
+            json.loads(error_body(e))

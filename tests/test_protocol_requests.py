@@ -240,3 +240,17 @@ def test_rejection_messages_read_like_openai():
 ])
 def test_completion_rejections(body, param):
     rejects(comp, body, param)
+
+
+def test_lone_surrogate_escapes_are_a_400_and_error_bodies_never_raise():
+    from appliance.protocol.errors import error_body
+    for raw in (b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}',
+                b'{"messages": [{"role": "\\udfff", "content": "x"}]}'):
+        e = rejects(chat, raw, None)
+        assert "surrogate" in e.message
+        error_body(e)
+    # a proper pair is one character and fine
+    r = chat(b'{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}')
+    assert r.messages[0]["content"] == "\U0001F600"
+    assert error_body(ApiError(400, "bad \ud800")).endswith(b'"bad ?","type":"invalid_request_error",'
+                                                            b'"param":null,"code":null}}')

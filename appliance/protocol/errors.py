@@ -57,8 +57,8 @@ class ApiError(Exception):
 
 
 def error_body(err: ApiError) -> bytes:
-    """The JSON body of an error response (compact, UTF-8)."""
-    return json.dumps(err.to_dict(), ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    """The JSON body of an error response (compact, UTF-8; never raises, whatever the message holds)."""
+    return json.dumps(err.to_dict(), ensure_ascii=False, separators=(",", ":")).encode("utf-8", "replace")
 
 
 # Constructors for the errors the server raises outside request parsing, so wording and codes stay uniform.

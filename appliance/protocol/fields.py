@@ -7,6 +7,7 @@ OpenAI's: "Invalid type for 'max_tokens': expected an integer, but got a string 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Mapping
 
 from appliance.protocol.errors import ApiError
@@ -76,6 +77,17 @@ def require(obj: Mapping[str, Any], key: str, kind: str, param: str | None = Non
     return check_type(v, kind, param or key)
 
 
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _has_lone_surrogate(v: Any) -> bool:
+    try:
+        json.dumps(v, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
@@ -93,6 +105,11 @@ def load_json_object(body: bytes) -> dict[str, Any]:
     except (ValueError, RecursionError) as e:
         raise ApiError(400, f"We could not parse the JSON body of your request ({e}). The body must be a "
                             f"JSON object.", code="invalid_json") from None
+    # a \uD800-\uDFFF escape not paired into one character is not Unicode text: nothing downstream
+    # (tokenizer, UTF-8 output) can carry it. Only bodies with such an escape pay for the full check.
+    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(data):
+        raise ApiError(400, "The request body contains an unpaired UTF-16 surrogate escape (\\uD800-\\uDFFF); "
+                            "strings must be valid Unicode.", code="invalid_body")
     if not isinstance(data, dict):
         raise ApiError(400, f"The request body must be a JSON object, got {json_kind(data)}.", code="invalid_body")
     return data
