@@ -1,5 +1,177 @@
-"""Placeholder until the C library lands: no native kernels."""
+"""ctypes bindings of the C library (src/*.c), with the same names and argument order as the numpy twins
+(twins.py, dequant_numpy.py).
+
+Policy: the library is optional. It is looked up next to this file (built by the package's install) or at
+$KESTREL_NATIVE_LIB; KESTREL_NATIVE=0 turns it off. Any failure to load leaves `available()` False and the
+callers on their numpy paths. At load the pool gets the default thread plan of cpu_topology (big cores on
+big.LITTLE boards, pinned); `set_threads` changes it.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+
+import numpy as np
+
+from . import cpu_topology
+from .qtypes import BLOCK, QType, row_bytes
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_I = ctypes.c_int
+
+_SIGNATURES = {
+    "kq_abi_version": (_I, []),
+    "kq_simd_level": (_I, []),
+    "kq_simd_max": (_I, []),
+    "kq_set_simd_level": (_I, [_I]),
+    "kq_simd_name": (ctypes.c_char_p, []),
+    "kq_set_threads": (_I, [_I, _P, _I]),
+    "kq_get_threads": (_I, []),
+    "kq_quantize_q8_32": (None, [_P, _I64, _I64, _P]),
+    "kq_quantize_q8_K": (None, [_P, _I64, _I64, _P]),
+    "kq_dequantize": (_I, [_I, _P, _I64, _I64, _P]),
+    "kq_get_rows": (_I, [_I, _P, _I64, _P, _I64, _P]),
+    "kq_matmul": (_I, [_I, _P, _I64, _I64, _P, _I64, _P]),
+}
+ABI_VERSION = 1
+
+_lib = None
+load_error: str | None = None
+
+
+def _candidates() -> list[str]:
+    env = os.environ.get("KESTREL_NATIVE_LIB")
+    if env:
+        return [env]
+    return sorted(glob.glob(os.path.join(_HERE, "_kestrel_native*.so")))
+
+
+def load(path: str | None = None):
+    """(Re)load the library; returns it or None (reason in `load_error`)."""
+    global _lib, load_error
+    _lib, load_error = None, None
+    if os.environ.get("KESTREL_NATIVE", "1") == "0" and path is None:
+        load_error = "disabled by KESTREL_NATIVE=0"
+        return None
+    paths = [path] if path else _candidates()
+    if not paths:
+        load_error = "native library not built"
+        return None
+    try:
+        lib = ctypes.CDLL(paths[0])
+        for name, (res, args) in _SIGNATURES.items():
+            f = getattr(lib, name)
+            f.restype, f.argtypes = res, args
+        if lib.kq_abi_version() != ABI_VERSION:
+            raise OSError(f"ABI version {lib.kq_abi_version()} != {ABI_VERSION}")
+    except (OSError, AttributeError) as e:
+        load_error = f"{paths[0]}: {e}"
+        return None
+    _lib = lib
+    n, cpus = cpu_topology.thread_plan()
+    set_threads(n, cpus)
+    return lib
 
 
 def available() -> bool:
-    return False
+    return _lib is not None
+
+
+def simd_name() -> str:
+    return _lib.kq_simd_name().decode()
+
+
+def simd_max() -> int:
+    return _lib.kq_simd_max()
+
+
+def set_simd_level(level: int) -> int:
+    """Force a SIMD level (0 scalar, 1 AVX2/NEON, 2 +VNNI/+dotprod), clamped to what the CPU has."""
+    return _lib.kq_set_simd_level(level)
+
+
+def set_threads(n: int, cpus: list[int] | None = None) -> int:
+    """Pool size (the calling thread counts as one); pin thread i to cpus[i % len(cpus)] when given."""
+    if cpus:
+        arr = (ctypes.c_int * len(cpus))(*cpus)
+        return _lib.kq_set_threads(int(n), ctypes.cast(arr, _P), len(cpus))
+    return _lib.kq_set_threads(int(n), None, 0)
+
+
+def get_threads() -> int:
+    return _lib.kq_get_threads()
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+def _f32(x: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2:
+        raise ValueError("expected a 2-D float32 array (T, n)")
+    return x
+
+
+def quantize_q8_32(x: np.ndarray) -> np.ndarray:
+    from .twins import ACT32
+    x = _f32(x)
+    out = np.empty((x.shape[0], x.shape[1] // 32), ACT32)
+    _lib.kq_quantize_q8_32(_ptr(x), x.shape[0], x.shape[1], _ptr(out))
+    return out
+
+
+def quantize_q8_K(x: np.ndarray) -> np.ndarray:
+    from .twins import ACT256
+    x = _f32(x)
+    out = np.empty((x.shape[0], x.shape[1] // 256), ACT256)
+    _lib.kq_quantize_q8_K(_ptr(x), x.shape[0], x.shape[1], _ptr(out))
+    return out
+
+
+def _rows(qtype: QType, w: np.ndarray) -> tuple[np.ndarray, int]:
+    """w as (rows, row_bytes) uint8 and the logical row length n."""
+    w = np.ascontiguousarray(w).view(np.uint8)
+    w = w.reshape(w.shape[0], -1)
+    bs, nbytes = BLOCK[qtype]
+    n = w.shape[1] // nbytes * bs
+    if row_bytes(qtype, n) != w.shape[1]:
+        raise ValueError(f"{qtype.name}: {w.shape[1]} bytes per row is not a whole number of blocks")
+    return w, n
+
+
+def dequantize(qtype, w: np.ndarray) -> np.ndarray:
+    qtype = QType(int(qtype))
+    w, n = _rows(qtype, w)
+    out = np.empty((w.shape[0], n), np.float32)
+    _lib.kq_dequantize(int(qtype), _ptr(w), w.shape[0], n, _ptr(out))
+    return out
+
+
+def get_rows(qtype, w: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    qtype = QType(int(qtype))
+    w, n = _rows(qtype, w)
+    ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= w.shape[0]):
+        raise IndexError("row id out of range")
+    out = np.empty((ids.size, n), np.float32)
+    _lib.kq_get_rows(int(qtype), _ptr(w), n, _ptr(ids), ids.size, _ptr(out))
+    return out
+
+
+def matmul(qtype, w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    qtype = QType(int(qtype))
+    w, n = _rows(qtype, w)
+    x = _f32(x)
+    if x.shape[1] != n:
+        raise ValueError(f"input width {x.shape[1]} != weight width {n}")
+    out = np.empty((x.shape[0], w.shape[0]), np.float32)
+    if x.shape[0] and w.shape[0]:
+        _lib.kq_matmul(int(qtype), _ptr(w), w.shape[0], n, _ptr(x), x.shape[0], _ptr(out))
+    return out
+
+
+load()

@@ -1,0 +1,65 @@
+/* Kestrel native kernels: public entry points (loaded with ctypes) and shared internals.
+ *
+ * Policy: every entry point has a numpy twin of the same name (without the kq_ prefix) in
+ * appliance/native/twins.py or dequant_numpy.py. Quantized products round the activations to 8-bit blocks
+ * (act32 for the 32-element formats, act256 for the K formats) and sum integers exactly; the float
+ * combination of a row is one sequential float32 sum per output (no FMA, no reassociation), so every SIMD
+ * level and the numpy twin give bit-identical results.
+ */
+#ifndef KQ_H
+#define KQ_H
+#include <stdint.h>
+#include <stddef.h>
+
+enum { KQ_F32 = 0, KQ_F16 = 1, KQ_Q4_0 = 2, KQ_Q4_1 = 3, KQ_Q8_0 = 8, KQ_Q4_K = 12, KQ_Q6_K = 14, KQ_BF16 = 30 };
+enum { KQ_SCALAR = 0, KQ_SIMD = 1, KQ_SIMD_DOT = 2 }; /* x86: AVX2, AVX2+VNNI; arm: NEON, NEON+dotprod */
+
+typedef struct { float d; int32_t sum; int8_t q[32]; } kq_act32;       /* 40 bytes */
+typedef struct { float d; int16_t bsums[16]; int8_t q[256]; } kq_act256; /* 292 bytes */
+
+typedef struct { uint16_t d; int8_t qs[32]; } blk_q8_0;
+typedef struct { uint16_t d; uint8_t qs[16]; } blk_q4_0;
+typedef struct { uint16_t d, m; uint8_t qs[16]; } blk_q4_1;
+typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; } blk_q4_K;
+typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; } blk_q6_K;
+
+/* ---- public API ---- */
+int kq_abi_version(void);
+int kq_simd_level(void);           /* level in use */
+int kq_simd_max(void);             /* best level this CPU supports */
+int kq_set_simd_level(int level);  /* clamp to [0, max]; returns the level now in use */
+const char *kq_simd_name(void);
+int kq_set_threads(int n, const int *cpus, int ncpus); /* cpus may be NULL: no pinning */
+int kq_get_threads(void);
+
+void kq_quantize_q8_32(const float *x, int64_t T, int64_t n, kq_act32 *out);
+void kq_quantize_q8_K(const float *x, int64_t T, int64_t n, kq_act256 *out);
+int kq_dequantize(int qtype, const uint8_t *w, int64_t rows, int64_t n, float *out);
+int kq_get_rows(int qtype, const uint8_t *w, int64_t n, const int64_t *ids, int64_t T, float *out);
+int kq_matmul(int qtype, const uint8_t *w, int64_t rows, int64_t n, const float *x, int64_t T, float *out);
+
+/* ---- internals ---- */
+typedef void (*kq_task)(void *ctx, int ith, int nth);
+void kq_parallel(kq_task fn, void *ctx);
+size_t kq_row_bytes(int qtype, int64_t n);
+float kq_fp16_to_fp32(uint16_t h);
+void kq_dequantize_row(int qtype, const uint8_t *w, int64_t n, float *out);
+void kq_q4k_scales(const uint8_t *q, int32_t sc[8], int32_t m[8]);
+
+/* A row-tile kernel: outputs out[t*ldo + r] for rows r0..r0+nr-1 (nr <= 4) and columns t0..t1-1.
+ * w points at row 0; act is the quantized (or float) activation matrix. */
+typedef void (*kq_tile_fn)(const uint8_t *w, size_t rb, int64_t r0, int nr, int64_t nb,
+                           const void *act, int64_t t0, int64_t t1, float *out, int64_t ldo);
+typedef struct { kq_tile_fn q8_0, q4_0, q4_1, q4_K, q6_K, f32, f16, bf16; } kq_kernels;
+void kq_kernels_scalar(kq_kernels *k);
+#if defined(__x86_64__)
+void kq_kernels_avx2(kq_kernels *k);
+void kq_kernels_avx2vnni(kq_kernels *k);
+#elif defined(__aarch64__)
+void kq_kernels_neon(kq_kernels *k);
+void kq_kernels_neondot(kq_kernels *k);
+#endif
+
+static inline uint16_t kq_ld16(const void *p) { uint16_t v; __builtin_memcpy(&v, p, 2); return v; }
+
+#endif

@@ -1,0 +1,287 @@
+/* Quantized and float matrix products out (T, rows) = x (T, n) @ W.T, W given as GGML rows.
+ * The row range is split across the pool in tiles of 4 rows; a tile kernel walks all T columns, so a
+ * tile's weights are read from memory once and reused from cache.
+ * Scalar kernels here define the arithmetic that the SIMD kernels and the numpy twins reproduce. */
+#include <stdlib.h>
+#include <string.h>
+#include "kq.h"
+
+#if defined(__aarch64__)
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
+#endif
+
+/* ---------------- scalar reference kernels ---------------- */
+
+#define ROW(T_, r) ((const T_ *)(w + (size_t)(r0 + (r)) * rb))
+
+static void q8_0_scalar(const uint8_t *w, size_t rb, int64_t r0, int nr, int64_t nb, const void *act_,
+                        int64_t t0, int64_t t1, float *out, int64_t ldo) {
+    const kq_act32 *act = act_;
+    for (int r = 0; r < nr; r++) {
+        const blk_q8_0 *W = ROW(blk_q8_0, r);
+        for (int64_t t = t0; t < t1; t++) {
+            const kq_act32 *A = act + t * nb;
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                int32_t s = 0;
+                for (int k = 0; k < 32; k++) s += (int32_t)W[b].qs[k] * A[b].q[k];
+                float dd = kq_fp16_to_fp32(kq_ld16(&W[b].d)) * A[b].d;
+                acc = acc + dd * (float)s;
+            }
+            out[t * ldo + r0 + r] = acc;
+        }
+    }
+}
+
+static void q4_0_scalar(const uint8_t *w, size_t rb, int64_t r0, int nr, int64_t nb, const void *act_,
+                        int64_t t0, int64_t t1, float *out, int64_t ldo) {
+    const kq_act32 *act = act_;
+    for (int r = 0; r < nr; r++) {
+        const blk_q4_0 *W = ROW(blk_q4_0, r);
+        for (int64_t t = t0; t < t1; t++) {
+            const kq_act32 *A = act + t * nb;
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                int32_t s = 0;
+                for (int k = 0; k < 16; k++)
+                    s += (int32_t)(W[b].qs[k] & 0xF) * A[b].q[k] + (int32_t)(W[b].qs[k] >> 4) * A[b].q[k + 16];
+                s -= 8 * A[b].sum;
+                float dd = kq_fp16_to_fp32(kq_ld16(&W[b].d)) * A[b].d;
+                acc = acc + dd * (float)s;
+            }
+            out[t * ldo + r0 + r] = acc;
+        }
+    }
+}
+
+static void q4_1_scalar(const uint8_t *w, size_t rb, int64_t r0, int nr, int64_t nb, const void *act_,
+                        int64_t t0, int64_t t1, float *out, int64_t ldo) {
+    const kq_act32 *act = act_;
+    for (int r = 0; r < nr; r++) {
+        const blk_q4_1 *W = ROW(blk_q4_1, r);
+        for (int64_t t = t0; t < t1; t++) {
+            const kq_act32 *A = act + t * nb;
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                int32_t s = 0;
+                for (int k = 0; k < 16; k++)
+                    s += (int32_t)(W[b].qs[k] & 0xF) * A[b].q[k] + (int32_t)(W[b].qs[k] >> 4) * A[b].q[k + 16];
+                float dd = kq_fp16_to_fp32(kq_ld16(&W[b].d)) * A[b].d;
+                float ms = kq_fp16_to_fp32(kq_ld16(&W[b].m)) * (A[b].d * (float)A[b].sum);
+                acc = acc + dd * (float)s;
+                acc = acc + ms;
+            }
+            out[t * ldo + r0 + r] = acc;
+        }
+    }
+}
+
+void kq_q4k_scales(const uint8_t *q, int32_t sc[8], int32_t m[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = q[j] & 63;
+        m[j] = q[j + 4] & 63;
+        sc[j + 4] = (q[j + 8] & 0xF) | ((q[j] >> 6) << 4);
+        m[j + 4] = (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4);
+    }
+}
+
+static void q4_K_scalar(const uint8_t *w, size_t rb, int64_t r0, int nr, int64_t nb, const void *act_,
+                        int64_t t0, int64_t t1, float *out, int64_t ldo) {
+    const kq_act256 *act = act_;
+    for (int r = 0; r < nr; r++) {
+        const blk_q4_K *W = ROW(blk_q4_K, r);
+        for (int64_t t = t0; t < t1; t++) {
+            const kq_act256 *A = act + t * nb;
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                int32_t sc[8], m[8], isum = 0, msum = 0;
+                kq_q4k_scales(W[b].scales, sc, m);
+                for (int j = 0; j < 4; j++) {
+                    const uint8_t *q = W[b].qs + 32 * j;
+                    const int8_t *y = A[b].q + 64 * j;
+                    int32_t lo = 0, hi = 0;
+                    for (int k = 0; k < 32; k++) { lo += (int32_t)(q[k] & 0xF) * y[k]; hi += (int32_t)(q[k] >> 4) * y[k + 32]; }
+                    isum += sc[2 * j] * lo + sc[2 * j + 1] * hi;
+                }
+                for (int j = 0; j < 8; j++) msum += m[j] * (A[b].bsums[2 * j] + A[b].bsums[2 * j + 1]);
+                float dd = kq_fp16_to_fp32(kq_ld16(&W[b].d)) * A[b].d;
+                float dm = kq_fp16_to_fp32(kq_ld16(&W[b].dmin)) * A[b].d;
+                acc = acc + dd * (float)isum;
+                acc = acc - dm * (float)msum;
+            }
+            out[t * ldo + r0 + r] = acc;
+        }
+    }
+}
+
+static void q6_K_scalar(const uint8_t *w, size_t rb, int64_t r0, int nr, int64_t nb, const void *act_,
+                        int64_t t0, int64_t t1, float *out, int64_t ldo) {
+    const kq_act256 *act = act_;
+    for (int r = 0; r < nr; r++) {
+        const blk_q6_K *W = ROW(blk_q6_K, r);
+        for (int64_t t = t0; t < t1; t++) {
+            const kq_act256 *A = act + t * nb;
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                int32_t isum = 0;
+                for (int h = 0; h < 2; h++) {
+                    const uint8_t *ql = W[b].ql + 64 * h, *qh = W[b].qh + 32 * h;
+                    const int8_t *y = A[b].q + 128 * h, *sc = W[b].scales + 8 * h;
+                    for (int c = 0; c < 4; c++) {
+                        for (int g = 0; g < 2; g++) {
+                            int32_t s = 0;
+                            for (int l = 16 * g; l < 16 * g + 16; l++) {
+                                int lo = c & 1 ? ql[l + 32] : ql[l];
+                                lo = c & 2 ? lo >> 4 : lo & 0xF;
+                                int u = lo | (((qh[l] >> (2 * c)) & 3) << 4);
+                                s += (u - 32) * y[32 * c + l];
+                            }
+                            isum += sc[2 * c + g] * s;
+                        }
+                    }
+                }
+                float dd = kq_fp16_to_fp32(kq_ld16(&W[b].d)) * A[b].d;
+                acc = acc + dd * (float)isum;
+            }
+            out[t * ldo + r0 + r] = acc;
+        }
+    }
+}
+
+/* float weights: act is the float32 input x (T, n); nb is n */
+#define FLOAT_SCALAR(name, conv)                                                                          \
+    static void name(const uint8_t *w, size_t rb, int64_t r0, int nr, int64_t n, const void *act_,       \
+                     int64_t t0, int64_t t1, float *out, int64_t ldo) {                                   \
+        const float *x = act_;                                                                            \
+        for (int r = 0; r < nr; r++) {                                                                    \
+            const uint8_t *W = w + (size_t)(r0 + r) * rb;                                                 \
+            for (int64_t t = t0; t < t1; t++) {                                                           \
+                float acc = 0.0f;                                                                         \
+                for (int64_t k = 0; k < n; k++) acc += conv * x[t * n + k];                               \
+                out[t * ldo + r0 + r] = acc;                                                              \
+            }                                                                                             \
+        }                                                                                                 \
+    }
+static inline float ldf32(const uint8_t *p) { float f; memcpy(&f, p, 4); return f; }
+static inline float ldbf16(const uint8_t *p) { uint32_t u = (uint32_t)kq_ld16(p) << 16; float f; memcpy(&f, &u, 4); return f; }
+FLOAT_SCALAR(f32_scalar, ldf32(W + 4 * k))
+FLOAT_SCALAR(f16_scalar, kq_fp16_to_fp32(kq_ld16(W + 2 * k)))
+FLOAT_SCALAR(bf16_scalar, ldbf16(W + 2 * k))
+
+void kq_kernels_scalar(kq_kernels *k) {
+    k->q8_0 = q8_0_scalar; k->q4_0 = q4_0_scalar; k->q4_1 = q4_1_scalar;
+    k->q4_K = q4_K_scalar; k->q6_K = q6_K_scalar;
+    k->f32 = f32_scalar; k->f16 = f16_scalar; k->bf16 = bf16_scalar;
+}
+
+/* ---------------- dispatch ---------------- */
+
+static kq_kernels K;
+static int level = -1, level_max = 0;
+
+static void detect(void) {
+    if (level >= 0) return;
+    level_max = KQ_SCALAR;
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        level_max = KQ_SIMD;
+        if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")) level_max = KQ_SIMD_DOT;
+    }
+#elif defined(__aarch64__)
+    level_max = KQ_SIMD;
+    if (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) level_max = KQ_SIMD_DOT;
+#endif
+    const char *env = getenv("KESTREL_SIMD");
+    int want = env && *env ? atoi(env) : level_max;
+    kq_set_simd_level(want);
+}
+
+int kq_set_simd_level(int want) {
+    if (level < 0) { level = 0; detect(); }
+    if (want > level_max) want = level_max;
+    if (want < 0) want = 0;
+    level = want;
+    kq_kernels_scalar(&K);
+#if defined(__x86_64__)
+    if (level == KQ_SIMD) kq_kernels_avx2(&K);
+    if (level == KQ_SIMD_DOT) kq_kernels_avx2vnni(&K);
+#elif defined(__aarch64__)
+    if (level == KQ_SIMD) kq_kernels_neon(&K);
+    if (level == KQ_SIMD_DOT) kq_kernels_neondot(&K);
+#endif
+    return level;
+}
+
+int kq_simd_level(void) { detect(); return level; }
+int kq_simd_max(void) { detect(); return level_max; }
+
+const char *kq_simd_name(void) {
+    detect();
+#if defined(__x86_64__)
+    static const char *names[] = {"scalar", "avx2", "avx2+avx512vnni"};
+#elif defined(__aarch64__)
+    static const char *names[] = {"scalar", "neon", "neon+dotprod"};
+#else
+    static const char *names[] = {"scalar", "scalar", "scalar"};
+#endif
+    return names[level];
+}
+
+int kq_abi_version(void) { return 1; }
+
+/* ---------------- driver ---------------- */
+
+typedef struct {
+    kq_tile_fn fn;
+    const uint8_t *w;
+    size_t rb;
+    int64_t rows, nb, T;
+    const void *act;
+    float *out;
+} mm_ctx;
+
+static void mm_task(void *c_, int ith, int nth) {
+    const mm_ctx *c = c_;
+    int64_t tiles = (c->rows + 3) / 4, a = tiles * ith / nth, b = tiles * (ith + 1) / nth;
+    for (int64_t i = a; i < b; i++) {
+        int64_t r0 = 4 * i;
+        int nr = c->rows - r0 < 4 ? (int)(c->rows - r0) : 4;
+        c->fn(c->w, c->rb, r0, nr, c->nb, c->act, 0, c->T, c->out, c->rows);
+    }
+}
+
+int kq_matmul(int qtype, const uint8_t *w, int64_t rows, int64_t n, const float *x, int64_t T, float *out) {
+    detect();
+    size_t rb = kq_row_bytes(qtype, n);
+    if (!rb || rows <= 0 || T <= 0) return -1;
+    mm_ctx c = {.w = w, .rb = rb, .rows = rows, .T = T, .out = out, .act = x, .nb = n};
+    void *scratch = NULL;
+    switch (qtype) {
+    case KQ_F32: c.fn = K.f32; break;
+    case KQ_F16: c.fn = K.f16; break;
+    case KQ_BF16: c.fn = K.bf16; break;
+    case KQ_Q8_0: case KQ_Q4_0: case KQ_Q4_1:
+        c.nb = n / 32;
+        scratch = malloc((size_t)(T * c.nb) * sizeof(kq_act32));
+        if (!scratch) return -2;
+        kq_quantize_q8_32(x, T, n, scratch);
+        c.fn = qtype == KQ_Q8_0 ? K.q8_0 : qtype == KQ_Q4_0 ? K.q4_0 : K.q4_1;
+        break;
+    case KQ_Q4_K: case KQ_Q6_K:
+        c.nb = n / 256;
+        scratch = malloc((size_t)(T * c.nb) * sizeof(kq_act256));
+        if (!scratch) return -2;
+        kq_quantize_q8_K(x, T, n, scratch);
+        c.fn = qtype == KQ_Q4_K ? K.q4_K : K.q6_K;
+        break;
+    default: return -1;
+    }
+    if (scratch) c.act = scratch;
+    kq_parallel(mm_task, &c);
+    free(scratch);
+    return 0;
+}

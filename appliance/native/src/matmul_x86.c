@@ -1,0 +1,28 @@
+/* x86_64 SIMD kernels, compiled with function-level target attributes and chosen at run time:
+ * AVX2 (maddubs/madd integer dots) and AVX2 + AVX512-VNNI on 256-bit vectors (vpdpbusd). */
+#if defined(__x86_64__)
+#include <immintrin.h>
+#include "kq.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define SFX(n) n##_avx2
+#define DOT(acc, u, s) _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1)))
+#define DOTS(acc, u, s, s16, s32) _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), (s16)))
+#include "matmul_x86.inc"
+#undef SFX
+#undef DOT
+#undef DOTS
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")
+#define SFX(n) n##_avx2vnni
+#define DOT(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+#define DOTS(acc, u, s, s16, s32) _mm256_add_epi32((acc), _mm256_mullo_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (s)), (s32)))
+#include "matmul_x86.inc"
+#undef SFX
+#undef DOT
+#undef DOTS
+#pragma GCC pop_options
+#endif

@@ -1,0 +1,177 @@
+/* Activation quantization (float32 rows -> 8-bit blocks) and weight dequantization (GGML blocks ->
+ * float32 rows). Rounding: round-half-to-even (lrintf in the default mode), like the SIMD conversions. */
+#include <math.h>
+#include <string.h>
+#include "kq.h"
+
+float kq_fp16_to_fp32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalize */
+            int e = -1;
+            do { man <<= 1; e++; } while (!(man & 0x400));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+        }
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static float bf16_to_fp32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+size_t kq_row_bytes(int qtype, int64_t n) {
+    switch (qtype) {
+    case KQ_F32: return (size_t)n * 4;
+    case KQ_F16: case KQ_BF16: return (size_t)n * 2;
+    case KQ_Q8_0: return (n % 32) ? 0 : (size_t)(n / 32) * sizeof(blk_q8_0);
+    case KQ_Q4_0: return (n % 32) ? 0 : (size_t)(n / 32) * sizeof(blk_q4_0);
+    case KQ_Q4_1: return (n % 32) ? 0 : (size_t)(n / 32) * sizeof(blk_q4_1);
+    case KQ_Q4_K: return (n % 256) ? 0 : (size_t)(n / 256) * sizeof(blk_q4_K);
+    case KQ_Q6_K: return (n % 256) ? 0 : (size_t)(n / 256) * sizeof(blk_q6_K);
+    default: return 0;
+    }
+}
+
+void kq_quantize_q8_32(const float *x, int64_t T, int64_t n, kq_act32 *out) {
+    int64_t nb = n / 32;
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *v = x + t * n + b * 32;
+            kq_act32 *o = out + t * nb + b;
+            float amax = 0.0f;
+            for (int k = 0; k < 32; k++) { float a = fabsf(v[k]); amax = a > amax ? a : amax; }
+            float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            int32_t sum = 0;
+            for (int k = 0; k < 32; k++) { int q = (int)lrintf(v[k] * id); o->q[k] = (int8_t)q; sum += q; }
+            o->d = d;
+            o->sum = sum;
+        }
+    }
+}
+
+void kq_quantize_q8_K(const float *x, int64_t T, int64_t n, kq_act256 *out) {
+    int64_t nb = n / 256;
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *v = x + t * n + b * 256;
+            kq_act256 *o = out + t * nb + b;
+            float amax = 0.0f;
+            for (int k = 0; k < 256; k++) { float a = fabsf(v[k]); amax = a > amax ? a : amax; }
+            float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            for (int g = 0; g < 16; g++) {
+                int s = 0;
+                for (int k = 16 * g; k < 16 * g + 16; k++) { int q = (int)lrintf(v[k] * id); o->q[k] = (int8_t)q; s += q; }
+                o->bsums[g] = (int16_t)s;
+            }
+            o->d = d;
+        }
+    }
+}
+
+static void q4k_scale_min(const uint8_t *q, int j, int *sc, int *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+void kq_dequantize_row(int qtype, const uint8_t *w, int64_t n, float *y) {
+    switch (qtype) {
+    case KQ_F32: memcpy(y, w, (size_t)n * 4); break;
+    case KQ_F16: for (int64_t i = 0; i < n; i++) y[i] = kq_fp16_to_fp32(kq_ld16(w + 2 * i)); break;
+    case KQ_BF16: for (int64_t i = 0; i < n; i++) y[i] = bf16_to_fp32(kq_ld16(w + 2 * i)); break;
+    case KQ_Q8_0:
+        for (int64_t b = 0; b < n / 32; b++, y += 32) {
+            const blk_q8_0 *B = (const blk_q8_0 *)w + b;
+            float d = kq_fp16_to_fp32(kq_ld16(&B->d));
+            for (int k = 0; k < 32; k++) y[k] = d * (float)B->qs[k];
+        }
+        break;
+    case KQ_Q4_0:
+        for (int64_t b = 0; b < n / 32; b++, y += 32) {
+            const blk_q4_0 *B = (const blk_q4_0 *)w + b;
+            float d = kq_fp16_to_fp32(kq_ld16(&B->d));
+            for (int k = 0; k < 16; k++) {
+                y[k] = d * (float)((B->qs[k] & 0xF) - 8);
+                y[k + 16] = d * (float)((B->qs[k] >> 4) - 8);
+            }
+        }
+        break;
+    case KQ_Q4_1:
+        for (int64_t b = 0; b < n / 32; b++, y += 32) {
+            const blk_q4_1 *B = (const blk_q4_1 *)w + b;
+            float d = kq_fp16_to_fp32(kq_ld16(&B->d)), m = kq_fp16_to_fp32(kq_ld16(&B->m));
+            for (int k = 0; k < 16; k++) {
+                y[k] = d * (float)(B->qs[k] & 0xF) + m;
+                y[k + 16] = d * (float)(B->qs[k] >> 4) + m;
+            }
+        }
+        break;
+    case KQ_Q4_K:
+        for (int64_t b = 0; b < n / 256; b++) {
+            const blk_q4_K *B = (const blk_q4_K *)w + b;
+            float d = kq_fp16_to_fp32(kq_ld16(&B->d)), dmin = kq_fp16_to_fp32(kq_ld16(&B->dmin));
+            for (int j = 0; j < 4; j++) {
+                int sc, m;
+                const uint8_t *q = B->qs + 32 * j;
+                q4k_scale_min(B->scales, 2 * j, &sc, &m);
+                float d1 = d * (float)sc, m1 = dmin * (float)m;
+                for (int k = 0; k < 32; k++) *y++ = d1 * (float)(q[k] & 0xF) - m1;
+                q4k_scale_min(B->scales, 2 * j + 1, &sc, &m);
+                d1 = d * (float)sc; m1 = dmin * (float)m;
+                for (int k = 0; k < 32; k++) *y++ = d1 * (float)(q[k] >> 4) - m1;
+            }
+        }
+        break;
+    case KQ_Q6_K:
+        for (int64_t b = 0; b < n / 256; b++) {
+            const blk_q6_K *B = (const blk_q6_K *)w + b;
+            float d = kq_fp16_to_fp32(kq_ld16(&B->d));
+            const uint8_t *ql = B->ql, *qh = B->qh;
+            const int8_t *sc = B->scales;
+            for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, y += 128) {
+                for (int l = 0; l < 32; l++) {
+                    int is = l / 16;
+                    int q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+                    int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                    int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                    int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                    y[l] = d * (float)sc[is] * (float)q1;
+                    y[l + 32] = d * (float)sc[is + 2] * (float)q2;
+                    y[l + 64] = d * (float)sc[is + 4] * (float)q3;
+                    y[l + 96] = d * (float)sc[is + 6] * (float)q4;
+                }
+            }
+        }
+        break;
+    }
+}
+
+int kq_dequantize(int qtype, const uint8_t *w, int64_t rows, int64_t n, float *out) {
+    size_t rb = kq_row_bytes(qtype, n);
+    if (!rb) return -1;
+    for (int64_t r = 0; r < rows; r++) kq_dequantize_row(qtype, w + r * rb, n, out + r * n);
+    return 0;
+}
+
+int kq_get_rows(int qtype, const uint8_t *w, int64_t n, const int64_t *ids, int64_t T, float *out) {
+    size_t rb = kq_row_bytes(qtype, n);
+    if (!rb) return -1;
+    for (int64_t t = 0; t < T; t++) kq_dequantize_row(qtype, w + ids[t] * rb, n, out + t * n);
+    return 0;
+}

@@ -1,0 +1,100 @@
+"""Numpy twins of the C activation quantizers and matrix products (same names and argument order as the
+ctypes wrappers in kernels.py). They define the arithmetic: activations rounded per block of 32 (act32) or
+256 (act256) to int8 with a float32 scale (round half to even), exact integer block sums, and per output
+one sequential float32 sum over blocks, so the C kernels must equal these bit for bit.
+
+Policy: written for clarity and tests, not speed (QuantWeight's numpy path dequantizes and uses BLAS).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .dequant_numpy import _blocks, _f16, _nibbles, dequantize, q4k_scales_mins, q6k_values
+from .qtypes import QType
+
+ACT32 = np.dtype([("d", "<f4"), ("sum", "<i4"), ("q", "i1", (32,))])  # C kq_act32, 40 bytes
+ACT256 = np.dtype([("d", "<f4"), ("bsums", "<i2", (16,)), ("q", "i1", (256,))])  # C kq_act256, 292 bytes
+
+
+def _round_blocks(x: np.ndarray, bs: int) -> tuple[np.ndarray, np.ndarray]:
+    """x (T, n) -> scales (T, nb) float32 and int8 values (T, nb, bs)."""
+    T, n = x.shape
+    v = np.ascontiguousarray(x, dtype=np.float32).reshape(T, n // bs, bs)
+    d = np.abs(v).max(axis=-1) / np.float32(127)  # (T, nb)
+    inv = np.zeros_like(d)
+    np.divide(np.float32(1), d, out=inv, where=d != 0)
+    q = np.rint(v * inv[..., None]).astype(np.int8)  # (T, nb, bs)
+    return d, q
+
+
+def quantize_q8_32(x: np.ndarray) -> np.ndarray:
+    """x (T, n) float32 -> (T, n/32) ACT32 blocks."""
+    d, q = _round_blocks(x, 32)
+    out = np.empty(d.shape, ACT32)
+    out["d"], out["q"], out["sum"] = d, q, q.sum(axis=-1, dtype=np.int32)
+    return out
+
+
+def quantize_q8_K(x: np.ndarray) -> np.ndarray:
+    """x (T, n) float32 -> (T, n/256) ACT256 blocks (bsums: sums of each 16 values)."""
+    d, q = _round_blocks(x, 256)
+    out = np.empty(d.shape, ACT256)
+    out["d"], out["q"] = d, q
+    out["bsums"] = q.reshape(*q.shape[:2], 16, 16).sum(axis=-1, dtype=np.int32).astype(np.int16)
+    return out
+
+
+def _sequential_sum(terms: np.ndarray) -> np.ndarray:
+    """One float32 sum per output, adding terms (..., k) left to right (like the C accumulator)."""
+    return np.add.accumulate(terms.astype(np.float32), axis=-1, dtype=np.float32)[..., -1]
+
+
+def _idot(wq: np.ndarray, aq: np.ndarray) -> np.ndarray:
+    """Integer block dots: weights (R, nb, k) x activations (T, nb, k) -> (T, R, nb) int64 (exact)."""
+    return np.einsum("rbk,tbk->trb", wq.astype(np.int64), aq.astype(np.int64))
+
+
+def matmul(qtype, w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """out (T, rows) = x (T, n) @ W.T with W stored as qtype rows w (rows, row_bytes)."""
+    qtype = QType(int(qtype))
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if qtype in (QType.F32, QType.F16, QType.BF16):
+        return x @ dequantize(qtype, w).T
+    b = _blocks(w, qtype)  # (R, nb, block bytes)
+    if qtype in (QType.Q8_0, QType.Q4_0, QType.Q4_1):
+        a = quantize_q8_32(x)  # (T, nb)
+        ad = a["d"][:, None, :]  # (T, 1, nb)
+        dd = _f16(b[..., 0:2])[None] * ad  # (T, R, nb)
+        if qtype == QType.Q8_0:
+            s = _idot(b[..., 2:].view(np.int8), a["q"])
+        elif qtype == QType.Q4_0:
+            s = _idot(_nibbles(b[..., 2:]), a["q"]) - 8 * a["sum"][:, None, :]
+        else:
+            s = _idot(_nibbles(b[..., 4:]), a["q"])
+            ms = _f16(b[..., 2:4])[None] * (ad * a["sum"][:, None, :].astype(np.float32))  # (T, R, nb)
+            return _sequential_sum(np.stack([dd * s.astype(np.float32), ms], axis=-1).reshape(*dd.shape[:2], -1))
+        return _sequential_sum(dd * s.astype(np.float32))
+    a = quantize_q8_K(x)  # (T, nb)
+    ad = a["d"][:, None, :]
+    aq = a["q"].reshape(*a.shape, 8, 32)  # (T, nb, 8 sub-blocks, 32)
+    if qtype == QType.Q4_K:
+        sc, mn = q4k_scales_mins(b[..., 4:16])  # (R, nb, 8)
+        qs = b[..., 16:].reshape(*b.shape[:2], 4, 32)
+        nib = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(*b.shape[:2], 8, 32)  # (R, nb, 8, 32)
+        sub = np.einsum("rbjk,tbjk->trbj", nib.astype(np.int64), aq.astype(np.int64))  # (T, R, nb, 8)
+        isum = (sub * sc[None]).sum(axis=-1)  # (T, R, nb)
+        pair = a["bsums"].astype(np.int64).reshape(*a.shape, 8, 2).sum(axis=-1)  # (T, nb, 8)
+        msum = np.einsum("rbj,tbj->trb", mn.astype(np.int64), pair)
+        dd = _f16(b[..., 0:2])[None] * ad
+        dm = _f16(b[..., 2:4])[None] * ad
+        terms = np.stack([dd * isum.astype(np.float32), -(dm * msum.astype(np.float32))], axis=-1)
+        return _sequential_sum(terms.reshape(*dd.shape[:2], -1))
+    if qtype == QType.Q6_K:
+        u = q6k_values(b[..., 0:128], b[..., 128:192]) - 32  # (R, nb, 256)
+        sc = b[..., 192:208].view(np.int8).astype(np.int64)  # (R, nb, 16)
+        grp = np.einsum("rbgk,tbgk->trbg", u.reshape(*u.shape[:2], 16, 16).astype(np.int64),
+                        a["q"].reshape(*a.shape, 16, 16).astype(np.int64))  # (T, R, nb, 16)
+        isum = (grp * sc[None]).sum(axis=-1)
+        dd = _f16(b[..., 208:210])[None] * ad
+        return _sequential_sum(dd * isum.astype(np.float32))
+    raise ValueError(qtype)  # pragma: no cover

@@ -1,0 +1,127 @@
+"""Every C kernel equals its numpy twin: bit-exact for the integer (quantized) paths and the dequantizers,
+tight tolerance for the float-weight products; per type, per SIMD level this CPU has, odd sizes, and
+thread counts that do not divide the row count.
+
+The library must be built (the package install builds it); KESTREL_NATIVE=0 opts out explicitly.
+KESTREL_NATIVE_LIB points the tests at another build (scripts/qemu_aarch64_kernels.sh: the aarch64 one).
+"""
+import os
+
+import numpy as np
+import pytest
+
+from appliance.native import dequant_numpy, kernels, twins
+from appliance.native.qtypes import BLOCK, QType
+from tests.support.ggml_blocks import random_weight
+
+if os.environ.get("KESTREL_NATIVE") == "0":
+    pytest.skip("native kernels disabled by KESTREL_NATIVE=0", allow_module_level=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def lib():
+    assert kernels.available(), f"native library not available: {kernels.load_error}"
+    yield
+    kernels.set_simd_level(kernels.simd_max())
+    kernels.load()
+
+
+LEVELS = list(range(kernels.simd_max() + 1)) if kernels.available() else [0]
+INTEGER = [QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q6_K]
+FLOAT = [QType.F32, QType.F16, QType.BF16]
+
+
+def _x(rng, T, n, scale=1.0):
+    x = (rng.standard_normal((T, n)) * scale).astype(np.float32)
+    x[0, :5] = 0.0  # exact zeros and, below, a block of zeros (scale 0)
+    if n >= 64:
+        x[-1, 32:64] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("qtype", INTEGER, ids=lambda t: t.name)
+def test_quantized_matmul_is_bit_exact(qtype, level):
+    assert kernels.set_simd_level(level) == level
+    rng = np.random.default_rng(10 * level + int(qtype))
+    bs = BLOCK[qtype][0]
+    for rows, nblocks, T in [(1, 1, 1), (5, 3, 1), (37, 2, 7), (9, 5, 3)]:
+        n = max(bs, 32) * nblocks
+        w = random_weight(qtype, rows, n, rng)
+        x = _x(rng, T, n, scale=rng.uniform(0.01, 30))
+        got, want = kernels.matmul(qtype, w, x), twins.matmul(qtype, w, x)
+        assert got.shape == (T, rows)
+        np.testing.assert_array_equal(got, want, err_msg=f"{qtype.name} rows={rows} n={n} T={T}")
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("qtype", FLOAT, ids=lambda t: t.name)
+def test_float_matmul_matches_twin(qtype, level):
+    kernels.set_simd_level(level)
+    rng = np.random.default_rng(int(qtype))
+    for rows, n, T in [(1, 1, 1), (5, 13, 2), (37, 67, 5), (6, 256, 1)]:  # n not a multiple of 8 too
+        w = random_weight(qtype, rows, n, rng)
+        x = _x(rng, T, n)
+        got, want = kernels.matmul(qtype, w, x), twins.matmul(qtype, w, x)
+        bound = 1e-6 * n * np.abs(x) @ np.abs(dequant_numpy.dequantize(qtype, w)).T + 1e-30
+        assert np.all(np.abs(got - want) <= bound), (qtype.name, rows, n, T)
+
+
+def test_activation_quantizers_are_bit_exact():
+    rng = np.random.default_rng(3)
+    for T, n in [(1, 256), (4, 512)]:
+        x = _x(rng, T, n, scale=5.0)
+        x[1 % T, 7] = 0.5 * 127 / 127  # ties and extremes
+        assert kernels.quantize_q8_32(x).tobytes() == twins.quantize_q8_32(x).tobytes()
+        assert kernels.quantize_q8_K(x).tobytes() == twins.quantize_q8_K(x).tobytes()
+
+
+def test_activation_rounding_is_half_to_even():
+    # a block whose scale is exactly 1 (amax 127): values k + 0.5 land on ties
+    x = np.zeros((1, 32), np.float32)
+    x[0, 0] = 127.0
+    x[0, 1:6] = [0.5, 1.5, 2.5, -0.5, -2.5]
+    for f in (kernels.quantize_q8_32, twins.quantize_q8_32):
+        assert f(x)["q"][0, 0, :6].tolist() == [127, 0, 2, 2, 0, -2]
+
+
+@pytest.mark.parametrize("qtype", list(QType), ids=lambda t: t.name)
+def test_dequantize_and_get_rows_are_bit_exact(qtype):
+    rng = np.random.default_rng(50 + int(qtype))
+    n = 2 * max(BLOCK[qtype][0], 32)
+    w = random_weight(qtype, 11, n, rng)
+    np.testing.assert_array_equal(kernels.dequantize(qtype, w), dequant_numpy.dequantize(qtype, w))
+    ids = np.array([10, 0, 3, 3, 7])
+    np.testing.assert_array_equal(kernels.get_rows(qtype, w, ids), dequant_numpy.get_rows(qtype, w, ids))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+def test_thread_pool_splits_odd_row_counts(threads):
+    assert kernels.set_threads(threads) == threads
+    assert kernels.get_threads() == threads
+    rng = np.random.default_rng(threads)
+    for qtype in (QType.Q8_0, QType.Q4_K, QType.BF16):
+        for rows in (1, 3, 37):
+            n = 256
+            w = random_weight(qtype, rows, n, rng)
+            x = _x(rng, 3, n)
+            got = kernels.matmul(qtype, w, x)
+            want = twins.matmul(qtype, w, x)
+            if qtype == QType.BF16:
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+            else:
+                np.testing.assert_array_equal(got, want)
+    # the pool survives many back-to-back jobs (decode issues thousands)
+    w = random_weight(QType.Q4_0, 13, 64, rng)
+    x = _x(rng, 1, 64)
+    first = kernels.matmul(QType.Q4_0, w, x)
+    for _ in range(300):
+        np.testing.assert_array_equal(kernels.matmul(QType.Q4_0, w, x), first)
+
+
+def test_wrappers_reject_bad_shapes():
+    w = random_weight(QType.Q8_0, 4, 64, np.random.default_rng(0))
+    with pytest.raises(ValueError):
+        kernels.matmul(QType.Q8_0, w, np.zeros((1, 32), np.float32))
+    with pytest.raises(IndexError):
+        kernels.get_rows(QType.Q8_0, w, np.array([4]))
