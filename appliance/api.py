@@ -21,12 +21,14 @@ from typing import Any, Awaitable, Callable
 
 import trio
 
+from .engine.image_processing import ImageError
 from .generation import ChatOutput, CompletionOutput, Generation
 from .h11_server import Exchange
+from .image_inputs import ImageBytesLimit, image_urls, prepare_images
 from .protocol import prometheus
 from .protocol.chunks import model_list
-from .protocol.errors import (ApiError, context_length_exceeded, error_body, invalid_api_key, method_not_allowed,
-                              missing_api_key, not_found, not_ready, queue_full)
+from .protocol.errors import (ApiError, body_too_large, context_length_exceeded, error_body, invalid_api_key,
+                              method_not_allowed, missing_api_key, not_found, not_ready, queue_full)
 from .protocol.requests import parse_chat_request, parse_completion_request
 from .protocol.sse import JSON_CONTENT_TYPE, json_bytes
 from .worker import NotReady, QueueFull, Worker
@@ -39,6 +41,7 @@ class ApiConfig:
     extension_events: bool = False     # metrics/tokens events on every stream unless the request says no
     queue_keepalive_s: float = 5.0     # SSE comment interval while a stream waits in the queue
     cors_origin: str = "*"
+    image_dirs: tuple[str, ...] = ()   # local image files allowed from these directories (none: data URIs only)
 
 
 OPEN_PATHS = {"/health", "/v1/models"}
@@ -181,8 +184,9 @@ class Api:
         except ValueError as e:  # ChatTemplateError: the template refused these messages
             raise ApiError(400, str(e), param="messages", code="invalid_messages") from None
         ids = loaded.tokenizer.encode(prompt)
+        ids, images = await self._images(loaded, ex, req.messages, ids, len(body))
         self._check_context(loaded, len(ids), req.max_tokens)
-        gen = Generation(self, loaded, ids, req, ChatOutput(req, prompt, loaded))
+        gen = Generation(self, loaded, ids, req, ChatOutput(req, prompt, loaded), images)
         await gen.run(ex, self._admit())
 
     async def completions(self, ex: Exchange) -> None:
@@ -205,6 +209,21 @@ class Api:
         self._check_context(loaded, len(ids), req.max_tokens)
         gen = Generation(self, loaded, ids, req, CompletionOutput(req, prompt_text, loaded))
         await gen.run(ex, self._admit())
+
+    async def _images(self, loaded: Any, ex: Exchange, messages: list, ids: list[int], body_size: int):
+        """Decode and preprocess the request's images off the event loop; expand their prompt tokens."""
+        urls = image_urls(messages)
+        if not urls:
+            return ids, ()
+        model = loaded.model
+        try:
+            return await trio.to_thread.run_sync(lambda: prepare_images(
+                model.image_processor, model.image_token_id, ids, urls, allowed_dirs=self.cfg.image_dirs,
+                body_size=body_size, body_limit=ex.max_body))
+        except ImageBytesLimit as e:
+            raise body_too_large(e.limit) from None
+        except ImageError as e:
+            raise ApiError(400, str(e), param="messages", code="invalid_image") from None
 
     def _check_context(self, loaded: Any, n_prompt: int, max_tokens: int | None) -> None:
         ctx = loaded.context_length

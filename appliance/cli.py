@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-chunk", type=int, default=256, metavar="N", help="prompt tokens per prefill step")
     s.add_argument("--extension-events", action="store_true",
                    help="send the chat.completion.metrics / .tokens events on every stream by default")
+    s.add_argument("--image-dir", action="append", default=[], metavar="DIR",
+                   help="allow image_url file paths under DIR (repeatable; default: data: URIs only)")
+    s.add_argument("--image-max-pixels", type=int, metavar="N",
+                   help="resize images to at most N pixels (default: the model's preprocessor_config.json)")
     s.add_argument("--grace", type=float, default=10.0, metavar="S", help="shutdown grace period (seconds)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     o = p.add_argument_group("one-shot")
@@ -62,7 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _positive(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for name in ("ctx", "threads", "prefill_chunk", "max_tokens"):
+    for d in args.image_dir:
+        if not os.path.isdir(d):
+            p.error(f"--image-dir {d} is not a directory")
+    for name in ("ctx", "threads", "prefill_chunk", "max_tokens", "image_max_pixels"):
         v = getattr(args, name)
         if v is not None and v < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -98,7 +105,10 @@ def _read_keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 def _load(args: argparse.Namespace):
     from .engine.model_dir import load_model
-    return load_model(args.model, context_length=args.ctx, prefill_chunk=args.prefill_chunk)
+    loaded = load_model(args.model, context_length=args.ctx, prefill_chunk=args.prefill_chunk)
+    if args.image_max_pixels and loaded.multimodal:
+        loaded.model.image_processor = loaded.model.image_processor.capped(args.image_max_pixels)
+    return loaded
 
 
 def model_name(path: str) -> str:
@@ -156,7 +166,7 @@ async def serve(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
 
     worker = Worker(load=lambda: _load(args), queue_limit=args.queue)
     api = Api(worker, ApiConfig(model_name=model_name(args.model), api_keys=keys,
-                                extension_events=args.extension_events))
+                                extension_events=args.extension_events, image_dirs=tuple(args.image_dir)))
     server = HttpServer(ServerConfig(host=args.host, port=args.port, grace_period=args.grace), api)
     try:
         await server.listen()

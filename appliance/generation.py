@@ -81,18 +81,27 @@ class ChatOutput:
         return out
 
     def usage(self, ev: FinishEvent) -> dict:
-        return self.chunks.usage(ev.prompt_tokens, ev.completion_tokens, self._reasoning_tokens())
+        return _image_usage(self.chunks.usage(ev.prompt_tokens, ev.completion_tokens, self._reasoning_tokens()), ev)
 
     def _reasoning_tokens(self) -> int | None:
         return self.reasoning_tokens if self.splitter.saw_reasoning else None
 
     def response(self, ev: FinishEvent, stats: GenerationStats) -> dict:
-        return chat_completion(self.chunks.completion_id, self.chunks.model, self.chunks.created,
+        return _image_usage(chat_completion(self.chunks.completion_id, self.chunks.model, self.chunks.created,
                                content="".join(self.content), finish_reason=ev.reason,
                                prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens,
                                reasoning_content="".join(self.reasoning) if self.splitter.saw_reasoning else None,
                                timings=stats, logprobs=self.all_lp if self.want_logprobs else None,
-                               reasoning_tokens=self._reasoning_tokens())
+                               reasoning_tokens=self._reasoning_tokens()), ev)
+
+
+def _image_usage(body: dict, ev: FinishEvent) -> dict:
+    """With images: usage.prompt_tokens_details splits prompt_tokens into text and image tokens (OpenAI's names)."""
+    n = getattr(ev.timings, "image_tokens", 0)
+    if n and body.get("usage"):
+        u = body["usage"]
+        u["prompt_tokens_details"] = {"text_tokens": u["prompt_tokens"] - n, "image_tokens": n}
+    return body
 
 
 class CompletionOutput:
@@ -149,13 +158,14 @@ class CompletionOutput:
 
 
 class Generation:
-    def __init__(self, api: Any, loaded: Any, prompt_ids: list[int], req: Any, output: ChatOutput | CompletionOutput):
+    def __init__(self, api: Any, loaded: Any, prompt_ids: list[int], req: Any, output: ChatOutput | CompletionOutput,
+                 images: tuple = ()):
         self.api = api
         self.req = req
         self.prompt_ids = prompt_ids
         self.output = output
         self.request = GenerationRequest(prompt_ids=prompt_ids, sampling=req.sampling, max_tokens=req.max_tokens,
-                                         stop=tuple(req.stop), ignore_eos=req.ignore_eos)
+                                         stop=tuple(req.stop), ignore_eos=req.ignore_eos, images=tuple(images))
 
     async def run(self, ex: Any, ticket: Ticket) -> None:
         stream = self.req.stream

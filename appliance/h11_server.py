@@ -74,6 +74,10 @@ class Exchange:
         return self.headers.get(name.lower(), default)
 
     @property
+    def max_body(self) -> int:
+        return self._conn.cfg.max_body
+
+    @property
     def peer_gone(self) -> bool:
         return self._conn.peer_gone
 

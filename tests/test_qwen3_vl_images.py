@@ -86,6 +86,8 @@ def test_max_pixels_cap_lowers_the_token_count(vl_dir):
     capped = ImageProcessor.from_dir(vl_dir, max_pixels=32 * 32 * 8)
     img = decode_image(image_bytes(900, 500, "PNG"))
     assert capped.preprocess(img).num_tokens <= 8 < model_default.preprocess(img).num_tokens
+    assert model_default.capped(32 * 32 * 8) == capped  # the --image-max-pixels path
+    assert model_default.capped(1).max_pixels == model_default.min_pixels  # never below the model's minimum
 
 
 def png_with_size(width: int, height: int) -> bytes:

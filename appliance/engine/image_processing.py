@@ -20,7 +20,7 @@ import math
 import os
 import struct
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -148,6 +148,10 @@ class ImageProcessor:
             with open(path, encoding="utf-8") as f:
                 d = json.load(f)
         return cls.from_dict(d, max_pixels)
+
+    def capped(self, max_pixels: int) -> "ImageProcessor":
+        """The same processor with the upper pixel bound lowered to max_pixels (never below min_pixels)."""
+        return replace(self, max_pixels=max(self.min_pixels, min(self.max_pixels, int(max_pixels))))
 
     @property
     def factor(self) -> int:

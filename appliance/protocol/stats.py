@@ -38,6 +38,8 @@ class GenerationStats:
     tpot_ms: float            # mean decode step
     tok_s: float              # decode steps per second
     queue_ms: float = 0.0     # time spent waiting for the engine (server side)
+    image_tokens: int = 0     # image-pad tokens in the prompt (part of prompt_tokens)
+    image_encode_ms: float = 0.0  # vision tower time (before prefill; inside ttft, not prefill)
 
     @classmethod
     def from_finish(cls, finish: Any, queue_ms: float = 0.0) -> "GenerationStats":
@@ -45,7 +47,14 @@ class GenerationStats:
         t = finish.timings
         return cls(prompt_tokens=finish.prompt_tokens, completion_tokens=finish.completion_tokens,
                    prefill_ms=t.prefill_ms, ttft_ms=t.ttft_ms, decode_ms=float(sum(t.decode_ms)),
-                   total_ms=t.total_ms, tpot_ms=t.tpot_ms, tok_s=t.tok_s, queue_ms=queue_ms)
+                   total_ms=t.total_ms, tpot_ms=t.tpot_ms, tok_s=t.tok_s, queue_ms=queue_ms,
+                   image_tokens=getattr(t, "image_tokens", 0), image_encode_ms=getattr(t, "image_encode_ms", 0.0))
+
+    def _images(self) -> dict[str, Any]:
+        """Image figures, present only when the prompt had images."""
+        if not self.image_tokens:
+            return {}
+        return {"image_tokens": self.image_tokens, "image_encode_ms": _num(self.image_encode_ms)}
 
     def timings(self) -> dict[str, Any]:
         """llama.cpp-style `timings` object."""
@@ -61,6 +70,7 @@ class GenerationStats:
             "predicted_per_second": _rate(self.completion_tokens, predicted_ms),
             "ttft_ms": _num(self.ttft_ms),
             "tpot_ms": _num(self.tpot_ms),
+            **self._images(),
         }
 
     def metrics(self) -> dict[str, Any]:
@@ -76,4 +86,5 @@ class GenerationStats:
             "tok_s": _num(self.tok_s),
             "prefill_tok_s": _rate(self.prompt_tokens, self.prefill_ms),
             "queue_ms": _num(self.queue_ms),
+            **self._images(),
         }
