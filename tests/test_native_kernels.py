@@ -3,16 +3,20 @@ tight tolerance for the float-weight products; per type, per SIMD level this CPU
 thread counts that do not divide the row count.
 
 The library must be built (the package install builds it); KESTREL_NATIVE=0 opts out explicitly.
-KESTREL_NATIVE_LIB points the tests at another build (scripts/qemu_aarch64_kernels.sh: the aarch64 one).
+KESTREL_KERNEL_DRIVER runs them through the test driver instead (scripts/qemu_aarch64_kernels.sh: the
+aarch64 build under qemu).
 """
 import os
 
 import numpy as np
 import pytest
 
-from appliance.native import dequant_numpy, kernels, twins
+from appliance.native import dequant_numpy, twins
 from appliance.native.qtypes import BLOCK, QType
 from tests.support.ggml_blocks import random_weight
+from tests.support.kernel_driver import kernels_under_test
+
+kernels = kernels_under_test()
 
 if os.environ.get("KESTREL_NATIVE") == "0":
     pytest.skip("native kernels disabled by KESTREL_NATIVE=0", allow_module_level=True)

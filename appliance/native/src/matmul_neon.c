@@ -1,0 +1,27 @@
+/* aarch64 NEON kernels chosen at run time: plain NEON (widening multiply + pairwise add) and NEON with
+ * the dot-product extension (sdot; RK3588's Cortex-A76 has it, its A55 cores too). */
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#include "kq.h"
+
+static inline int32x4_t dot16_mull(int32x4_t acc, int8x16_t a, int8x16_t b) {
+    int16x8_t p0 = vmull_s8(vget_low_s8(a), vget_low_s8(b));
+    int16x8_t p1 = vmull_high_s8(a, b);
+    return vpadalq_s16(vpadalq_s16(acc, p0), p1);
+}
+
+#define SFX(n) n##_neon
+#define DOT16(acc, a, b) dot16_mull((acc), (a), (b))
+#include "matmul_neon.inc"
+#undef SFX
+#undef DOT16
+
+#pragma GCC push_options
+#pragma GCC target("arch=armv8.2-a+dotprod")
+#define SFX(n) n##_neondot
+#define DOT16(acc, a, b) vdotq_s32((acc), (a), (b))
+#include "matmul_neon.inc"
+#undef SFX
+#undef DOT16
+#pragma GCC pop_options
+#endif

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Cross-compile the native kernels for aarch64 and run the kernel tests against them under qemu user-mode
+# emulation (functional only: every SIMD level the emulated CPU has — scalar, NEON, NEON+dotprod — must
+# equal the numpy twins bit for bit). Needs: apt-get install qemu-user-static gcc-aarch64-linux-gnu
+#
+#   scripts/qemu_aarch64_kernels.sh [PYTHON]      (PYTHON defaults to .venv/bin/python, then python3)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${1:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+CC=${CC_AARCH64:-aarch64-linux-gnu-gcc}
+QEMU=${QEMU_AARCH64:-$(command -v qemu-aarch64-static || command -v qemu-aarch64)}
+SYSROOT=${AARCH64_SYSROOT:-/usr/aarch64-linux-gnu}
+OUT=$(mktemp -d)
+trap 'rm -rf "$OUT"' EXIT
+# the library's own flags (appliance/native/build.py), statically linked so qemu needs no loader paths
+FLAGS=$("$PY" -c 'from appliance.native.build import CFLAGS; print(" ".join(CFLAGS))')
+$CC $FLAGS -static -o "$OUT/kq_driver" appliance/native/driver/kq_driver.c appliance/native/src/*.c -lm
+file "$OUT/kq_driver" | grep -q aarch64
+export KESTREL_KERNEL_DRIVER="$QEMU -L $SYSROOT $OUT/kq_driver"
+"$PY" -c 'from tests.support.kernel_driver import kernels_under_test as k; k = k()
+print("aarch64 kernels under qemu: best SIMD level", k.simd_max(), k.simd_name())'
+"$PY" -m pytest -q tests/test_native_kernels.py
