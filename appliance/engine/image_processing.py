@@ -35,6 +35,7 @@ class ImageError(ValueError):
 def decode_image(data: bytes, max_decoded_pixels: int = MAX_DECODED_PIXELS):
     """Bytes of a JPEG/PNG/WebP file -> an upright RGB PIL image."""
     from PIL import Image, ImageOps
+    from PIL import JpegImagePlugin, PngImagePlugin, WebPImagePlugin  # noqa: F401  (named, so a frozen build has them)
 
     if not data:
         raise ImageError("the image is empty")
