@@ -35,6 +35,7 @@ class QuantWeight:
         self.raw = raw.reshape(-1).view(np.uint8).reshape(out, rb)  # (out, row_bytes), zero-copy
         self.nbytes = self.raw.nbytes
         self.native = kernels.available() if native is None else (native and kernels.available())
+        self._native_matmul = kernels.bound_matmul(self.qtype, self.raw) if self.native else None
 
     def __repr__(self) -> str:
         return f"QuantWeight({self.qtype.name}, {self.shape}, native={self.native})"
@@ -43,8 +44,8 @@ class QuantWeight:
         x = np.ascontiguousarray(x, dtype=np.float32)  # (T, in)
         if x.ndim != 2 or x.shape[1] != self.shape[1]:
             raise ValueError(f"input of shape {x.shape} does not fit a weight of shape {self.shape}")
-        if self.native:
-            return kernels.matmul(self.qtype, self.raw, x)  # (T, out)
+        if self._native_matmul is not None:
+            return self._native_matmul(x) if x.shape[0] else np.empty((0, self.shape[0]), np.float32)
         if self.qtype == QType.F32:
             return x @ self.raw.view(np.float32).T
         out = np.empty((x.shape[0], self.shape[0]), np.float32)  # (T, out)

@@ -174,4 +174,18 @@ def matmul(qtype, w: np.ndarray, x: np.ndarray) -> np.ndarray:
     return out
 
 
+def bound_matmul(qtype, w: np.ndarray):
+    """matmul with the weight fixed: returns f(x) for contiguous float32 x (T, n) -> (T, rows), with the
+    per-call argument checks done once (decode calls this a few hundred times per token)."""
+    qtype = QType(int(qtype))
+    w, n = _rows(qtype, w)
+    rows, wp, q, f = w.shape[0], w.ctypes.data, int(qtype), _lib.kq_matmul
+
+    def call(x: np.ndarray, _keep=w) -> np.ndarray:
+        out = np.empty((x.shape[0], rows), np.float32)
+        f(q, wp, rows, n, x.ctypes.data, x.shape[0], out.ctypes.data)
+        return out
+    return call
+
+
 load()

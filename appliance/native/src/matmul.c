@@ -244,12 +244,21 @@ typedef struct {
     float *out;
 } mm_ctx;
 
+#ifndef PF_TILES
+#define PF_TILES 2
+#endif
 static void mm_task(void *c_, int ith, int nth) {
     const mm_ctx *c = c_;
     int64_t tiles = (c->rows + 3) / 4, a = tiles * ith / nth, b = tiles * (ith + 1) / nth;
     for (int64_t i = a; i < b; i++) {
         int64_t r0 = 4 * i;
         int nr = c->rows - r0 < 4 ? (int)(c->rows - r0) : 4;
+        /* the hardware prefetcher loses track of short rows: fetch the next tile's bytes into L2 */
+        if (i + PF_TILES < b) {
+            const uint8_t *p = c->w + (size_t)(r0 + 4 * PF_TILES) * c->rb;
+            const uint8_t *e = c->w + (size_t)(r0 + 4 * PF_TILES + 4 < c->rows ? r0 + 4 * PF_TILES + 4 : c->rows) * c->rb;
+            for (; p < e; p += 64) __builtin_prefetch(p, 0, 2);
+        }
         c->fn(c->w, c->rb, r0, nr, c->nb, c->act, 0, c->T, c->out, c->rows);
     }
 }
