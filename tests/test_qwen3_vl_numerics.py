@@ -144,3 +144,19 @@ def test_cancel_during_image_encoding(loaded):
     ids, patches = our_prompt(loaded, TWO_IMAGES, pictures((300, 200), (150, 250)))
     events = list(loaded.engine.generate(GenerationRequest(ids, images=tuple(patches)), lambda: True))
     assert len(events) == 1 and events[0].reason == "cancelled" and loaded.engine.cache.images is None
+
+
+def test_erf_and_blocked_vision_attention(loaded, monkeypatch):
+    import math
+
+    from appliance.engine import vision
+
+    x = np.linspace(-6, 6, 2001, dtype=np.float32)
+    assert np.abs(vision.erf(x) - np.array([math.erf(v) for v in x.astype(np.float64)])).max() < 2e-7
+    img = loaded.model.image_processor.preprocess(pictures((300, 200))[0])
+    whole = loaded.model.vision.encode(img.pixel_values, img.grid_thw)
+    monkeypatch.setattr(vision, "ATTN_BLOCK_ELEMS", 2 * 216 * 10)  # 10 queries per block, 22 blocks
+    blocked = loaded.model.vision.encode(img.pixel_values, img.grid_thw)
+    np.testing.assert_allclose(blocked.embeds, whole.embeds, rtol=1e-5, atol=1e-5)
+    for a, b in zip(blocked.deepstack, whole.deepstack):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
