@@ -35,6 +35,11 @@ _SIGNATURES = {
     "kq_dequantize": (_I, [_I, _P, _I64, _I64, _P]),
     "kq_get_rows": (_I, [_I, _P, _I64, _P, _I64, _P]),
     "kq_matmul": (_I, [_I, _P, _I64, _I64, _P, _I64, _P]),
+    "kq_rms_norm": (None, [_P, _P, _I64, _I64, ctypes.c_float, _P]),
+    "kq_rope": (None, [_P, _I64, _I64, _I64, _P, _P]),
+    "kq_swiglu": (None, [_P, _P, _I64, _P]),
+    "kq_attention": (None, [_P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P]),
+    "kq_forward": (_I, [_P, _P, _P, _I64, _P, _I64, _I64, _P, _P]),
 }
 ABI_VERSION = 1
 
@@ -171,6 +176,40 @@ def matmul(qtype, w: np.ndarray, x: np.ndarray) -> np.ndarray:
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
     if x.shape[0] and w.shape[0]:
         _lib.kq_matmul(int(qtype), _ptr(w), w.shape[0], n, _ptr(x), x.shape[0], _ptr(out))
+    return out
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    x = _f32(x)
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    out = np.empty_like(x)
+    _lib.kq_rms_norm(_ptr(x), _ptr(w), x.shape[0], x.shape[1], float(eps), _ptr(out))
+    return out
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    out = np.array(x, dtype=np.float32, order="C")  # (T, nh, hd), rotated in place
+    cos, sin = (np.ascontiguousarray(a, dtype=np.float32) for a in (cos, sin))
+    _lib.kq_rope(_ptr(out), *out.shape, _ptr(cos), _ptr(sin))
+    return out
+
+
+def swiglu(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    g, u = (np.ascontiguousarray(a, dtype=np.float32) for a in (g, u))
+    out = np.empty_like(g)
+    _lib.kq_swiglu(_ptr(g), _ptr(u), g.size, _ptr(out))
+    return out
+
+
+def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, S: int) -> np.ndarray:
+    q = np.ascontiguousarray(q, dtype=np.float32)  # (T, H, hd)
+    k_cache, v_cache = (np.ascontiguousarray(a, dtype=np.float32) for a in (k_cache, v_cache))
+    T, H, hd = q.shape
+    if not 0 < T <= S <= k_cache.shape[1]:
+        raise ValueError("attention needs 0 < T <= S <= cache length")
+    out = np.empty_like(q)
+    _lib.kq_attention(_ptr(q), _ptr(k_cache), _ptr(v_cache), k_cache.shape[1], T, S, H, k_cache.shape[0], hd,
+                      _ptr(out))
     return out
 
 

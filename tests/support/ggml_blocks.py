@@ -20,7 +20,7 @@ def random_weight(qtype: QType, rows: int, n: int, rng: np.random.Generator) -> 
         bs, nbytes = BLOCK[qtype]
         b = rng.integers(0, 256, (rows, n // bs, nbytes), dtype=np.uint8)
         for off in _SCALE_FIELDS[qtype]:
-            s = rng.uniform(0.001, 0.05, b.shape[:2]).astype(np.float16)  # (rows, nb)
+            s = rng.uniform(0.0002, 0.002, b.shape[:2]).astype(np.float16)  # (rows, nb): values of order 1
             b[..., off:off + 2] = s.view(np.uint8).reshape(*b.shape[:2], 2)
         return b.reshape(rows, -1)
     q = gguf.quants.quantize(x, gguf.GGMLQuantizationType(int(qtype)))

@@ -38,9 +38,30 @@ int kq_dequantize(int qtype, const uint8_t *w, int64_t rows, int64_t n, float *o
 int kq_get_rows(int qtype, const uint8_t *w, int64_t n, const int64_t *ids, int64_t T, float *out);
 int kq_matmul(int qtype, const uint8_t *w, int64_t rows, int64_t n, const float *x, int64_t T, float *out);
 
+/* decoder operations (ops.c) */
+typedef struct { int32_t qtype, pad; const uint8_t *w; int64_t rows, n; } kq_linear;
+typedef struct {
+    kq_linear q, k, v, o, gate, up, down;
+    const float *attn_norm, *mlp_norm, *q_norm, *k_norm, *q_bias, *k_bias, *v_bias; /* last 5 may be NULL */
+} kq_layer;
+typedef struct {
+    int64_t n_layers, hidden, n_heads, n_kv, head_dim, inter;
+    float eps;
+    int32_t pad;
+    const kq_layer *layers;
+} kq_model;
+void kq_rms_norm(const float *x, const float *w, int64_t T, int64_t n, float eps, float *out);
+void kq_rope(float *x, int64_t T, int64_t nh, int64_t hd, const float *cos, const float *sin);
+void kq_swiglu(const float *g, const float *u, int64_t n, float *out);
+void kq_attention(const float *q, const float *kc, const float *vc, int64_t max_len, int64_t T, int64_t S,
+                  int64_t H, int64_t KV, int64_t hd, float *out);
+int kq_forward(const kq_model *m, float *const *k_cache, float *const *v_cache, int64_t max_len,
+               float *h, int64_t T, int64_t pos, const float *cos, const float *sin);
+
 /* ---- internals ---- */
-typedef void (*kq_task)(void *ctx, int ith, int nth);
-void kq_parallel(kq_task fn, void *ctx);
+typedef void (*kq_range_fn)(void *ctx, int64_t start, int64_t end);
+void kq_parallel_for(int64_t n, int64_t chunk, kq_range_fn fn, void *ctx); /* fn over [0, n) in chunks */
+int64_t kq_chunk_for(int64_t n);
 size_t kq_row_bytes(int qtype, int64_t n);
 float kq_fp16_to_fp32(uint16_t h);
 void kq_dequantize_row(int qtype, const uint8_t *w, int64_t n, float *out);

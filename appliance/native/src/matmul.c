@@ -247,13 +247,12 @@ typedef struct {
 #ifndef PF_TILES
 #define PF_TILES 2
 #endif
-static void mm_task(void *c_, int ith, int nth) {
+static void mm_task(void *c_, int64_t a, int64_t b) { /* row tiles a .. b-1 */
     const mm_ctx *c = c_;
-    int64_t tiles = (c->rows + 3) / 4, a = tiles * ith / nth, b = tiles * (ith + 1) / nth;
     for (int64_t i = a; i < b; i++) {
         int64_t r0 = 4 * i;
         int nr = c->rows - r0 < 4 ? (int)(c->rows - r0) : 4;
-        /* the hardware prefetcher loses track of short rows: fetch the next tile's bytes into L2 */
+        /* the hardware prefetcher loses track of short rows: fetch coming tiles' bytes into L2 */
         if (i + PF_TILES < b) {
             const uint8_t *p = c->w + (size_t)(r0 + 4 * PF_TILES) * c->rb;
             const uint8_t *e = c->w + (size_t)(r0 + 4 * PF_TILES + 4 < c->rows ? r0 + 4 * PF_TILES + 4 : c->rows) * c->rb;
@@ -290,7 +289,8 @@ int kq_matmul(int qtype, const uint8_t *w, int64_t rows, int64_t n, const float 
     default: return -1;
     }
     if (scratch) c.act = scratch;
-    kq_parallel(mm_task, &c);
+    int64_t tiles = (rows + 3) / 4;
+    kq_parallel_for(tiles, kq_chunk_for(tiles), mm_task, &c);
     free(scratch);
     return 0;
 }

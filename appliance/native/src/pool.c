@@ -1,5 +1,9 @@
-/* Persistent thread pool: workers spin briefly after each job (decode issues jobs back to back), then
- * sleep on a condition variable. The caller is thread 0; workers may be pinned to given CPUs. */
+/* Persistent thread pool with dynamic chunking: a job is n items; every participant (the caller and the
+ * workers) claims chunks from one atomic counter until none are left, so a worker the OS has descheduled
+ * (shared machines, little cores) delays the job by at most one chunk instead of a static share.
+ * Workers spin briefly after each job (decode issues jobs back to back), then sleep on a condition
+ * variable. The caller is thread 0; threads may be pinned to given CPUs. Which thread computes an item
+ * never changes its result. */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <sched.h>
@@ -10,7 +14,7 @@
 #include "kq.h"
 
 #define KQ_MAX_THREADS 64
-#define SPIN_LIMIT 20000
+#define SPIN_LIMIT 4000
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__)
@@ -25,12 +29,14 @@ static struct {
     pthread_t th[KQ_MAX_THREADS];
     int cpus[KQ_MAX_THREADS];
     int ncpus;
-    _Atomic unsigned gen;
-    unsigned start_gen; /* gen when the workers were created: a job posted before a worker runs is not missed */
-    _Atomic int pending;
+    _Atomic unsigned gen;          /* bumped per job: wakes the workers */
+    unsigned start_gen;            /* gen when the workers were created */
+    _Atomic uint64_t work;         /* (job gen << 32) | next item: claims are tied to their job */
+    _Atomic int64_t done;          /* items finished in the current job */
     _Atomic int stop;
-    kq_task fn;
+    kq_range_fn fn;
     void *ctx;
+    int64_t n, chunk;
     pthread_mutex_t mu;
     pthread_cond_t cv;
     long pinned_tid;
@@ -43,6 +49,24 @@ static void pin_self(int cpu) {
     CPU_ZERO(&set);
     CPU_SET(cpu, &set);
     sched_setaffinity(0, sizeof set, &set);
+}
+
+/* claim and run chunks of job `g` until none are left */
+static void run_chunks(unsigned g) {
+    for (;;) {
+        uint64_t w = atomic_load_explicit(&P.work, memory_order_acquire);
+        if ((unsigned)(w >> 32) != g) return;
+        kq_range_fn fn = P.fn;
+        void *ctx = P.ctx;
+        int64_t n = P.n, chunk = P.chunk, i = (int64_t)(w & 0xffffffffu);
+        if (i >= n) return;
+        int64_t e = i + chunk < n ? i + chunk : n;
+        if (!atomic_compare_exchange_weak_explicit(&P.work, &w, ((uint64_t)g << 32) | (uint64_t)e,
+                                                   memory_order_acq_rel, memory_order_acquire))
+            continue; /* lost the race, or the job changed: fields read above are discarded */
+        fn(ctx, i, e);
+        atomic_fetch_add_explicit(&P.done, e - i, memory_order_release);
+    }
 }
 
 static void *worker(void *arg) {
@@ -61,8 +85,7 @@ static void *worker(void *arg) {
         }
         seen = g;
         if (atomic_load(&P.stop)) return NULL;
-        P.fn(P.ctx, ith, P.nth);
-        atomic_fetch_sub_explicit(&P.pending, 1, memory_order_release);
+        run_chunks(g);
     }
 }
 
@@ -98,22 +121,33 @@ int kq_set_threads(int n, const int *cpus, int ncpus) {
 
 int kq_get_threads(void) { return P.nth; }
 
-void kq_parallel(kq_task fn, void *ctx) {
+void kq_parallel_for(int64_t n, int64_t chunk, kq_range_fn fn, void *ctx) {
+    if (n <= 0) return;
     if (P.ncpus > 0) {
         long tid = syscall(SYS_gettid);
         if (tid != P.pinned_tid) { pin_self(P.cpus[0]); P.pinned_tid = tid; }
     }
-    if (P.nth == 1) { fn(ctx, 0, 1); return; }
+    if (chunk < 1) chunk = 1;
+    if (P.nth == 1 || n <= chunk) { fn(ctx, 0, n); return; }
     P.fn = fn;
     P.ctx = ctx;
-    atomic_store(&P.pending, P.nth - 1);
+    P.n = n;
+    P.chunk = chunk;
+    atomic_store_explicit(&P.done, 0, memory_order_relaxed);
     pthread_mutex_lock(&P.mu);
-    atomic_fetch_add_explicit(&P.gen, 1, memory_order_release);
+    unsigned g = atomic_load(&P.gen) + 1;
+    atomic_store_explicit(&P.work, (uint64_t)g << 32, memory_order_release);
+    atomic_store_explicit(&P.gen, g, memory_order_release);
     pthread_cond_broadcast(&P.cv);
     pthread_mutex_unlock(&P.mu);
-    fn(ctx, 0, P.nth);
+    run_chunks(g);
     int spins = 0;
-    while (atomic_load_explicit(&P.pending, memory_order_acquire) > 0) {
+    while (atomic_load_explicit(&P.done, memory_order_acquire) < n) {
         if (++spins < SPIN_LIMIT) cpu_relax(); else sched_yield();
     }
+}
+
+int64_t kq_chunk_for(int64_t n) { /* about 4 claims per thread: balance without much contention */
+    int64_t c = n / (4 * (int64_t)P.nth);
+    return c < 1 ? 1 : c;
 }

@@ -1,0 +1,138 @@
+"""NativeDecoder: the decoder layers of a Qwen3Model (qwen3/qwen2/llama) run by one C call per forward
+(src/ops.c kq_forward) instead of a few hundred numpy calls per token.
+
+Policy: built only when every piece is something the C side serves — linear weights that are native
+QuantWeights, float32 DenseWeights or HalfWeights; a SwiGLU MLP; float32 KV caches — otherwise `build`
+returns None and the caller keeps the numpy forward (mixture-of-experts, vision hooks, no library).
+Numerics: the same C matmuls as QuantWeight, float32 norms/RoPE/attention; equal to qwen3.forward_hidden
+within float rounding (tests/test_native_decoder.py).
+"""
+from __future__ import annotations
+
+import ctypes
+import weakref
+
+import numpy as np
+
+from . import kernels
+from .qtypes import QType
+
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
+_VECTORS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "q_bias", "k_bias", "v_bias")
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("qtype", ctypes.c_int32), ("pad", ctypes.c_int32), ("w", _P), ("rows", _I64), ("n", _I64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(n, _Linear) for n in _LINEARS] + [(n, _P) for n in _VECTORS]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("n_layers", _I64), ("hidden", _I64), ("n_heads", _I64), ("n_kv", _I64), ("head_dim", _I64),
+                ("inter", _I64), ("eps", ctypes.c_float), ("pad", ctypes.c_int32), ("layers", _P)]
+
+
+def native_linear(w) -> tuple[QType, np.ndarray] | None:
+    """(qtype, (rows, row_bytes)-or-(rows, n) array) for a weight the C kernels read in place, else None."""
+    from appliance.engine.quant_weights import QuantWeight
+    if isinstance(w, QuantWeight):
+        return (w.qtype, w.raw) if w.native else None
+    arr = getattr(w, "w", None)  # weights.DenseWeight
+    if isinstance(arr, np.ndarray) and arr.dtype == np.float32 and arr.ndim == 2 and arr.flags.c_contiguous:
+        return QType.F32, arr
+    raw, dtype = getattr(w, "raw", None), getattr(w, "dtype", None)  # weights.HalfWeight
+    if isinstance(raw, np.ndarray) and dtype in ("BF16", "F16") and raw.ndim == 2 and raw.flags.c_contiguous:
+        return (QType.BF16 if dtype == "BF16" else QType.F16), raw
+    return None
+
+
+class NativeDecoder:
+    def __init__(self, model, layers: list[dict]):
+        self.model = model
+        self._keep: list[np.ndarray] = []
+        c = model.config
+        arr = (_Layer * len(layers))()
+        for i, spec in enumerate(layers):
+            for name in _LINEARS:
+                qtype, a = spec[name]
+                self._keep.append(a)
+                shape = spec[name + "_shape"]
+                setattr(arr[i], name, _Linear(int(qtype), 0, a.ctypes.data, shape[0], shape[1]))
+            for name in _VECTORS:
+                v = spec.get(name)
+                if v is not None:
+                    v = np.ascontiguousarray(v, dtype=np.float32)
+                    self._keep.append(v)
+                    setattr(arr[i], name, v.ctypes.data)
+        self._layers = arr
+        self._model = _Model(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                             c.head_dim, c.intermediate_size, c.rms_norm_eps, 0, ctypes.addressof(arr))
+        self._caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def build(cls, model) -> "NativeDecoder | None":
+        """A NativeDecoder for `model` (a qwen3.Qwen3Model), or None if any part is not served natively."""
+        if not kernels.available():
+            return None
+        c = model.config
+        specs = []
+        for layer in model.layers:
+            a, mlp = layer.attn, layer.mlp
+            if not all(hasattr(mlp, n) for n in ("gate", "up", "down")) or type(mlp).__name__ != "SwiGLU":
+                return None
+            spec: dict = {"attn_norm": layer.attn_norm, "mlp_norm": layer.mlp_norm, "q_norm": a.q_norm,
+                          "k_norm": a.k_norm, "q_bias": a.q_bias, "k_bias": a.k_bias, "v_bias": a.v_bias}
+            for name, w in (("q", a.q), ("k", a.k), ("v", a.v), ("o", a.o),
+                            ("gate", mlp.gate), ("up", mlp.up), ("down", mlp.down)):
+                nl = native_linear(w)
+                if nl is None:
+                    return None
+                spec[name], spec[name + "_shape"] = nl, tuple(w.shape)
+            if (a.q_norm is None) != (a.k_norm is None) or (a.q_bias is None) != (a.k_bias is None):
+                return None
+            hd, H, KV, D, I = c.head_dim, c.num_attention_heads, c.num_key_value_heads, c.hidden_size, \
+                c.intermediate_size
+            want = {"q": (H * hd, D), "k": (KV * hd, D), "v": (KV * hd, D), "o": (D, H * hd),
+                    "gate": (I, D), "up": (I, D), "down": (D, I)}
+            if any(spec[n + "_shape"] != want[n] for n in want):
+                return None
+            specs.append(spec)
+        return cls(model, specs)
+
+    def _cache_ptrs(self, cache):
+        ptrs = self._caches.get(cache)
+        if ptrs is None:
+            for a in (*cache.k, *cache.v):
+                if a.dtype != np.float32 or not a.flags.c_contiguous:
+                    raise ValueError("the native decoder needs float32 contiguous KV caches")
+            n = len(cache.k)
+            ptrs = ((_P * n)(*[a.ctypes.data for a in cache.k]), (_P * n)(*[a.ctypes.data for a in cache.v]))
+            self._caches[cache] = ptrs
+        return ptrs
+
+    def forward_layers(self, h: np.ndarray, cache, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """Run every layer on h (T, hidden) at positions cache.length.. (cos/sin (T, hd/2)); writes the T new
+        keys/values into the cache (does not commit them) and returns the last layer's output (T, hidden)."""
+        h = np.array(h, dtype=np.float32, order="C")  # updated in place by C
+        cos, sin = (np.ascontiguousarray(a, dtype=np.float32) for a in (cos, sin))
+        T = h.shape[0]
+        if cache.length + T > cache.max_len:
+            from appliance.engine.kv_cache import ContextLengthError
+            raise ContextLengthError(f"context length {cache.max_len} exceeded")
+        kp, vp = self._cache_ptrs(cache)
+        rc = kernels._lib.kq_forward(ctypes.addressof(self._model), kp, vp, cache.max_len, h.ctypes.data, T,
+                                     cache.length, cos.ctypes.data, sin.ctypes.data)
+        if rc != 0:
+            raise RuntimeError(f"native forward failed ({rc})")
+        return h
+
+    def forward_hidden(self, h: np.ndarray, cache, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """Drop-in for qwen3.forward_hidden(model, h, cache, cos, sin) without `after_layer`: commits the T
+        tokens and returns the final-normed hidden states (T, hidden)."""
+        from appliance.engine.qwen3 import rms_norm
+        h = self.forward_layers(h, cache, cos, sin)
+        cache.commit(h.shape[0])
+        return rms_norm(h, self.model.norm, self.model.config.rms_norm_eps)

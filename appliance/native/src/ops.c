@@ -1,0 +1,145 @@
+/* Float32 decoder operations (RMSNorm, rotate-half RoPE, causal attention over the KV cache, SwiGLU) and
+ * the whole per-layer decoder sequence in one call (kq_forward), so a decode step costs one ctypes call
+ * instead of a few hundred numpy calls. Twins: appliance/native/ops_numpy.py and engine/qwen3.py. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include "kq.h"
+
+void kq_rms_norm(const float *x, const float *w, int64_t T, int64_t n, float eps, float *out) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *v = x + t * n;
+        float acc[8] = {0};
+        int64_t k = 0;
+        for (; k + 8 <= n; k += 8)
+            for (int j = 0; j < 8; j++) acc[j] += v[k + j] * v[k + j];
+        for (; k < n; k++) acc[0] += v[k] * v[k];
+        double ss = 0.0;
+        for (int j = 0; j < 8; j++) ss += acc[j];
+        float inv = (float)(1.0 / sqrt(ss / (double)n + (double)eps));
+        for (k = 0; k < n; k++) out[t * n + k] = v[k] * inv * w[k];
+    }
+}
+
+void kq_rope(float *x, int64_t T, int64_t nh, int64_t hd, const float *cos, const float *sin) {
+    int64_t half = hd / 2;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < nh; h++) {
+            float *v = x + (t * nh + h) * hd;
+            const float *c = cos + t * half, *s = sin + t * half;
+            for (int64_t i = 0; i < half; i++) {
+                float a = v[i], b = v[i + half];
+                v[i] = a * c[i] - b * s[i];
+                v[i + half] = b * c[i] + a * s[i];
+            }
+        }
+}
+
+void kq_swiglu(const float *g, const float *u, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+/* ---- attention: q (T, H, hd), caches (KV, max_len, hd) holding S positions, out (T, H, hd) ---- */
+typedef struct {
+    const float *q, *kc, *vc;
+    float *out;
+    int64_t max_len, T, S, H, KV, hd;
+} attn_ctx;
+
+static void attn_task(void *c_, int64_t a, int64_t b) { /* (head, token) pairs a .. b-1 */
+    const attn_ctx *c = c_;
+    float *p = malloc((size_t)c->S * sizeof(float));
+    float *acc = malloc((size_t)c->hd * sizeof(float));
+    const float scale = (float)(1.0 / sqrt((double)c->hd));
+    int64_t rep = c->H / c->KV;
+    for (int64_t j = a; j < b; j++) {
+        int64_t h = j / c->T, t = j % c->T, kv = h / rep;
+        int64_t n = c->S - c->T + t + 1; /* causal: keys 0 .. S-T+t */
+        const float *q = c->q + (t * c->H + h) * c->hd;
+        const float *K = c->kc + kv * c->max_len * c->hd, *V = c->vc + kv * c->max_len * c->hd;
+        float mx = -INFINITY;
+        for (int64_t s = 0; s < n; s++) {
+            const float *k = K + s * c->hd;
+            float d[8] = {0};
+            int64_t i = 0;
+            for (; i + 8 <= c->hd; i += 8)
+                for (int l = 0; l < 8; l++) d[l] += q[i + l] * k[i + l];
+            for (; i < c->hd; i++) d[0] += q[i] * k[i];
+            float dot = ((d[0] + d[4]) + (d[1] + d[5])) + ((d[2] + d[6]) + (d[3] + d[7]));
+            p[s] = dot * scale;
+            mx = p[s] > mx ? p[s] : mx;
+        }
+        float sum = 0.0f;
+        for (int64_t s = 0; s < n; s++) { p[s] = expf(p[s] - mx); sum += p[s]; }
+        float inv = 1.0f / sum;
+        for (int64_t i = 0; i < c->hd; i++) acc[i] = 0.0f;
+        for (int64_t s = 0; s < n; s++) {
+            const float *v = V + s * c->hd;
+            float ps = p[s];
+            for (int64_t i = 0; i < c->hd; i++) acc[i] += ps * v[i];
+        }
+        float *o = c->out + (t * c->H + h) * c->hd;
+        for (int64_t i = 0; i < c->hd; i++) o[i] = acc[i] * inv;
+    }
+    free(p);
+    free(acc);
+}
+
+void kq_attention(const float *q, const float *kc, const float *vc, int64_t max_len, int64_t T, int64_t S,
+                  int64_t H, int64_t KV, int64_t hd, float *out) {
+    attn_ctx c = {q, kc, vc, out, max_len, T, S, H, KV, hd};
+    kq_parallel_for(H * T, 1, attn_task, &c);
+}
+
+/* ---- the decoder layers ---- */
+
+static int linear(const kq_linear *L, const float *x, int64_t T, float *out) {
+    return kq_matmul(L->qtype, L->w, L->rows, L->n, x, T, out);
+}
+
+int kq_forward(const kq_model *m, float *const *k_cache, float *const *v_cache, int64_t max_len,
+               float *h, int64_t T, int64_t pos, const float *cos, const float *sin) {
+    const int64_t D = m->hidden, H = m->n_heads, KV = m->n_kv, hd = m->head_dim, I = m->inter;
+    if (pos + T > max_len) return -3;
+    const int64_t qd = H * hd, kd = KV * hd;
+    float *xn = malloc((size_t)(T * D) * 4), *q = malloc((size_t)(T * qd) * 4);
+    float *k = malloc((size_t)(T * kd) * 4), *v = malloc((size_t)(T * kd) * 4);
+    float *att = malloc((size_t)(T * qd) * 4), *o = malloc((size_t)(T * D) * 4);
+    float *g = malloc((size_t)(T * I) * 4), *u = malloc((size_t)(T * I) * 4);
+    int rc = (xn && q && k && v && att && o && g && u) ? 0 : -2;
+    for (int64_t l = 0; l < m->n_layers && rc == 0; l++) {
+        const kq_layer *L = m->layers + l;
+        kq_rms_norm(h, L->attn_norm, T, D, m->eps, xn);
+        rc |= linear(&L->q, xn, T, q);
+        rc |= linear(&L->k, xn, T, k);
+        rc |= linear(&L->v, xn, T, v);
+        if (L->q_bias)
+            for (int64_t t = 0; t < T; t++) {
+                for (int64_t i = 0; i < qd; i++) q[t * qd + i] += L->q_bias[i];
+                for (int64_t i = 0; i < kd; i++) { k[t * kd + i] += L->k_bias[i]; v[t * kd + i] += L->v_bias[i]; }
+            }
+        if (L->q_norm) {
+            kq_rms_norm(q, L->q_norm, T * H, hd, m->eps, q);
+            kq_rms_norm(k, L->k_norm, T * KV, hd, m->eps, k);
+        }
+        kq_rope(q, T, H, hd, cos, sin);
+        kq_rope(k, T, KV, hd, cos, sin);
+        float *kc = k_cache[l], *vc = v_cache[l];
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t j = 0; j < KV; j++) {
+                memcpy(kc + (j * max_len + pos + t) * hd, k + (t * KV + j) * hd, (size_t)hd * 4);
+                memcpy(vc + (j * max_len + pos + t) * hd, v + (t * KV + j) * hd, (size_t)hd * 4);
+            }
+        kq_attention(q, kc, vc, max_len, T, pos + T, H, KV, hd, att);
+        rc |= linear(&L->o, att, T, o);
+        for (int64_t i = 0; i < T * D; i++) h[i] += o[i];
+        kq_rms_norm(h, L->mlp_norm, T, D, m->eps, xn);
+        rc |= linear(&L->gate, xn, T, g);
+        rc |= linear(&L->up, xn, T, u);
+        kq_swiglu(g, u, T * I, g);
+        rc |= linear(&L->down, g, T, o);
+        for (int64_t i = 0; i < T * D; i++) h[i] += o[i];
+    }
+    free(xn); free(q); free(k); free(v); free(att); free(o); free(g); free(u);
+    return rc;
+}

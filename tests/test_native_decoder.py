@@ -1,0 +1,110 @@
+"""The C decoder operations equal their numpy twins, and NativeDecoder (one C call per forward) equals
+qwen3.forward_hidden on random models of each flavour (qwen3: q/k norms; qwen2: q/k/v biases; llama:
+neither) and each weight kind (quantized GGUF blocks, float32, BF16), prefill then decode."""
+import os
+
+import numpy as np
+import pytest
+
+from appliance.engine import qwen3
+from appliance.engine.config import Qwen3Config
+from appliance.engine.quant_weights import QuantWeight
+from appliance.engine.weights import DenseWeight, HalfWeight
+from appliance.native import kernels, ops_numpy
+from appliance.native.decoder import NativeDecoder
+from appliance.native.qtypes import QType
+from tests.support.ggml_blocks import random_weight
+
+if os.environ.get("KESTREL_NATIVE") == "0":
+    pytest.skip("native kernels disabled by KESTREL_NATIVE=0", allow_module_level=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def lib():
+    assert kernels.available(), f"native library not available: {kernels.load_error}"
+
+
+def test_ops_equal_twins():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 37)).astype(np.float32)
+    w = rng.standard_normal(37).astype(np.float32)
+    np.testing.assert_allclose(kernels.rms_norm(x, w, 1e-6), ops_numpy.rms_norm(x, w, 1e-6), rtol=1e-5, atol=1e-6)
+    q = rng.standard_normal((3, 5, 16)).astype(np.float32)
+    ang = rng.uniform(-3, 3, (3, 8))
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    np.testing.assert_allclose(kernels.rope(q, cos, sin), ops_numpy.rope(q, cos, sin), rtol=1e-5, atol=1e-6)
+    g, u = rng.standard_normal((2, 50)).astype(np.float32)
+    np.testing.assert_allclose(kernels.swiglu(g, u), ops_numpy.swiglu(g, u), rtol=1e-5, atol=1e-6)
+    for T, S in [(1, 1), (1, 9), (4, 4), (3, 11)]:
+        H, KV, hd, L = 6, 2, 24, 16
+        qq = rng.standard_normal((T, H, hd)).astype(np.float32)
+        kc, vc = rng.standard_normal((2, KV, L, hd)).astype(np.float32)
+        np.testing.assert_allclose(kernels.attention(qq, kc, vc, S), ops_numpy.attention(qq, kc, vc, S),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def _weight(kind, out, n, rng):
+    if kind == "f32":
+        return DenseWeight((rng.standard_normal((out, n)) * 0.1).astype(np.float32))
+    if kind == "bf16":
+        f = (rng.standard_normal((out, n)) * 0.1).astype(np.float32)
+        return HalfWeight((f.view(np.uint32) >> 16).astype(np.uint16), "BF16")
+    qtype = QType[kind]
+    return QuantWeight(qtype, (out, n), random_weight(qtype, out, n, rng))
+
+
+def _model(flavour, kinds, rng, D=256, H=4, KV=2, hd=64, I=512, L=2, V=97):
+    cfg = Qwen3Config(flavour, V, D, I, L, H, KV, hd, 1e-6, 10000.0, 4096, False,
+                      qk_norm=flavour == "qwen3", attention_bias=flavour == "qwen2")
+    layers = []
+    for i in range(L):
+        k = kinds[i % len(kinds)]
+        vec = lambda n: (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)  # noqa: E731
+        bias = lambda n: (0.1 * rng.standard_normal(n)).astype(np.float32) if flavour == "qwen2" else None  # noqa: E731
+        attn = qwen3.Attention(_weight(k, H * hd, D, rng), _weight(k, KV * hd, D, rng), _weight(k, KV * hd, D, rng),
+                               _weight(k, D, H * hd, rng),
+                               q_norm=vec(hd) if flavour == "qwen3" else None,
+                               k_norm=vec(hd) if flavour == "qwen3" else None,
+                               q_bias=bias(H * hd), k_bias=bias(KV * hd), v_bias=bias(KV * hd))
+        mlp = qwen3.SwiGLU(_weight(k, I, D, rng), _weight(k, I, D, rng), _weight(k, D, I, rng))
+        layers.append(qwen3.Layer(0.1 * vec(D), attn, 0.1 * vec(D), mlp))  # weights are of order 1: keep activations sane
+    emb = DenseWeight(rng.standard_normal((V, D)).astype(np.float32))
+    return qwen3.Qwen3Model(cfg, emb, layers, np.ones(D, np.float32), emb)
+
+
+@pytest.mark.parametrize("flavour,kinds,tol", [
+    ("qwen3", ["Q8_0", "Q4_K"], 2e-3),
+    ("qwen2", ["Q4_0", "Q6_K"], 2e-3),
+    ("llama", ["Q4_1"], 2e-3),
+    ("qwen3", ["f32", "bf16"], 1e-4),
+])
+def test_native_decoder_equals_numpy_forward(flavour, kinds, tol):
+    rng = np.random.default_rng(hash((flavour, *kinds)) % 2**32)
+    m = _model(flavour, kinds, rng)
+    dec = NativeDecoder.build(m)
+    assert dec is not None
+    ca, cb = m.new_cache(64), m.new_cache(64)
+    cfg = m.config
+    for tokens in ([3, 1, 4, 1, 5], [9], [2], [6]):  # prefill, then decode steps
+        pos = ca.length + np.arange(len(tokens))
+        cos, sin = qwen3.rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta)
+        h = m.embed.rows(np.array(tokens))
+        want = qwen3.forward_hidden(m, h, ca, cos, sin)
+        got = dec.forward_hidden(h, cb, cos, sin)
+        assert ca.length == cb.length
+        scale = np.abs(want).max()
+        assert np.abs(got - want).max() <= tol * scale, (np.abs(got - want).max(), scale)
+        for layer in range(cfg.num_hidden_layers):
+            np.testing.assert_allclose(cb.k[layer][:, :cb.length], ca.k[layer][:, :ca.length],
+                                       atol=tol * np.abs(ca.k[layer]).max())
+
+
+def test_build_declines_what_it_cannot_serve():
+    rng = np.random.default_rng(1)
+    m = _model("qwen3", ["Q8_0"], rng)
+    m.layers[1].mlp = lambda x: x  # e.g. a mixture-of-experts block
+    assert NativeDecoder.build(m) is None
+    m = _model("qwen3", ["Q8_0"], rng)
+    m.layers[0].attn.q = QuantWeight(m.layers[0].attn.q.qtype, m.layers[0].attn.q.shape, m.layers[0].attn.q.raw,
+                                     native=False)
+    assert NativeDecoder.build(m) is None
