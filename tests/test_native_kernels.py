@@ -49,7 +49,7 @@ def test_quantized_matmul_is_bit_exact(qtype, level):
     assert kernels.set_simd_level(level) == level
     rng = np.random.default_rng(10 * level + int(qtype))
     bs = BLOCK[qtype][0]
-    for rows, nblocks, T in [(1, 1, 1), (5, 3, 1), (37, 2, 7), (9, 5, 3)]:
+    for rows, nblocks, T in [(1, 1, 1), (5, 3, 1), (37, 2, 7), (9, 5, 3), (6, 2, 13)]:
         n = max(bs, 32) * nblocks
         w = random_weight(qtype, rows, n, rng)
         x = _x(rng, T, n, scale=rng.uniform(0.01, 30))

@@ -262,6 +262,20 @@ static void mm_task(void *c_, int64_t a, int64_t b) { /* row tiles a .. b-1 */
     }
 }
 
+typedef struct { const float *x; int64_t n; void *out; int k; } aq_ctx;
+
+static void aq_task(void *c_, int64_t a, int64_t b) { /* quantize activation rows a .. b-1 */
+    const aq_ctx *c = c_;
+    if (c->k) kq_quantize_q8_K(c->x + a * c->n, b - a, c->n, (kq_act256 *)c->out + a * (c->n / 256));
+    else kq_quantize_q8_32(c->x + a * c->n, b - a, c->n, (kq_act32 *)c->out + a * (c->n / 32));
+}
+
+static void quantize_act(const float *x, int64_t T, int64_t n, void *out, int k) {
+    aq_ctx c = {x, n, out, k};
+    if (T * n < 65536) aq_task(&c, 0, T); /* small: not worth waking the pool */
+    else kq_parallel_for(T, kq_chunk_for(T), aq_task, &c);
+}
+
 int kq_matmul(int qtype, const uint8_t *w, int64_t rows, int64_t n, const float *x, int64_t T, float *out) {
     detect();
     size_t rb = kq_row_bytes(qtype, n);
@@ -276,14 +290,14 @@ int kq_matmul(int qtype, const uint8_t *w, int64_t rows, int64_t n, const float 
         c.nb = n / 32;
         scratch = malloc((size_t)(T * c.nb) * sizeof(kq_act32));
         if (!scratch) return -2;
-        kq_quantize_q8_32(x, T, n, scratch);
+        quantize_act(x, T, n, scratch, 0);
         c.fn = qtype == KQ_Q8_0 ? K.q8_0 : qtype == KQ_Q4_0 ? K.q4_0 : K.q4_1;
         break;
     case KQ_Q4_K: case KQ_Q6_K:
         c.nb = n / 256;
         scratch = malloc((size_t)(T * c.nb) * sizeof(kq_act256));
         if (!scratch) return -2;
-        kq_quantize_q8_K(x, T, n, scratch);
+        quantize_act(x, T, n, scratch, 1);
         c.fn = qtype == KQ_Q4_K ? K.q4_K : K.q6_K;
         break;
     default: return -1;
