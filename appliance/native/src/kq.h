@@ -62,6 +62,7 @@ int kq_forward(const kq_model *m, float *const *k_cache, float *const *v_cache, 
 typedef void (*kq_range_fn)(void *ctx, int64_t start, int64_t end);
 void kq_parallel_for(int64_t n, int64_t chunk, kq_range_fn fn, void *ctx); /* fn over [0, n) in chunks */
 int64_t kq_chunk_for(int64_t n);
+void kq_f32_dots(const float *rows, int64_t nrows, int64_t n, const float *x, float *out); /* out = rows @ x, this thread */
 size_t kq_row_bytes(int qtype, int64_t n);
 float kq_fp16_to_fp32(uint16_t h);
 void kq_dequantize_row(int qtype, const uint8_t *w, int64_t n, float *out);

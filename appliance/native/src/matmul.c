@@ -235,6 +235,12 @@ int kq_abi_version(void) { return 1; }
 
 /* ---------------- driver ---------------- */
 
+void kq_f32_dots(const float *rows, int64_t nrows, int64_t n, const float *x, float *out) {
+    detect();
+    for (int64_t r0 = 0; r0 < nrows; r0 += 4)
+        K.f32((const uint8_t *)rows, (size_t)n * 4, r0, nrows - r0 < 4 ? (int)(nrows - r0) : 4, n, x, 0, 1, out, nrows);
+}
+
 typedef struct {
     kq_tile_fn fn;
     const uint8_t *w;

@@ -6,7 +6,28 @@
 #include <string.h>
 #include "kq.h"
 
-void kq_rms_norm(const float *x, const float *w, int64_t T, int64_t n, float eps, float *out) {
+/* built for the baseline ISA and, on x86_64, cloned for AVX2 (chosen at load time by the dynamic linker) */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define KQ_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define KQ_CLONES
+#endif
+
+/* exp(x) for the softmax and SiLU: Cephes' expf polynomial (about 1 ulp), written so loops vectorize */
+static inline float kq_expf(float x) {
+    x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
+    float k = __builtin_rintf(x * 1.44269504088896341f);
+    float r = (x - k * 0.693359375f) - k * -2.12194440e-4f;
+    float y = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r +
+               1.6666665459e-1f) * r + 5.0000001201e-1f;
+    y = y * (r * r) + r + 1.0f;
+    int32_t e = ((int32_t)k + 127) << 23;
+    float sc;
+    memcpy(&sc, &e, 4);
+    return y * sc;
+}
+
+KQ_CLONES void kq_rms_norm(const float *x, const float *w, int64_t T, int64_t n, float eps, float *out) {
     for (int64_t t = 0; t < T; t++) {
         const float *v = x + t * n;
         float acc[8] = {0};
@@ -21,7 +42,7 @@ void kq_rms_norm(const float *x, const float *w, int64_t T, int64_t n, float eps
     }
 }
 
-void kq_rope(float *x, int64_t T, int64_t nh, int64_t hd, const float *cos, const float *sin) {
+KQ_CLONES void kq_rope(float *x, int64_t T, int64_t nh, int64_t hd, const float *cos, const float *sin) {
     int64_t half = hd / 2;
     for (int64_t t = 0; t < T; t++)
         for (int64_t h = 0; h < nh; h++) {
@@ -35,8 +56,25 @@ void kq_rope(float *x, int64_t T, int64_t nh, int64_t hd, const float *cos, cons
         }
 }
 
-void kq_swiglu(const float *g, const float *u, int64_t n, float *out) {
-    for (int64_t i = 0; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+KQ_CLONES void kq_swiglu(const float *g, const float *u, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = g[i] / (1.0f + kq_expf(-g[i])) * u[i];
+}
+
+/* acc (hd) = sum_s p[s] * V[s]: fixed head sizes keep the accumulator in registers */
+#define PV_FIXED(HD)                                                                              \
+    static inline void pv_##HD(const float *p, const float *V, int64_t n, float *out) {           \
+        float acc[HD] = {0};                                                                      \
+        for (int64_t s = 0; s < n; s++)                                                           \
+            for (int i = 0; i < HD; i++) acc[i] += p[s] * V[s * HD + i];                           \
+        memcpy(out, acc, sizeof acc);                                                             \
+    }
+PV_FIXED(64)
+PV_FIXED(128)
+
+static inline void pv_any(const float *p, const float *V, int64_t n, int64_t hd, float *out) {
+    for (int64_t i = 0; i < hd; i++) out[i] = 0.0f;
+    for (int64_t s = 0; s < n; s++)
+        for (int64_t i = 0; i < hd; i++) out[i] += p[s] * V[s * hd + i];
 }
 
 /* ---- attention: q (T, H, hd), caches (KV, max_len, hd) holding S positions, out (T, H, hd) ---- */
@@ -46,7 +84,7 @@ typedef struct {
     int64_t max_len, T, S, H, KV, hd;
 } attn_ctx;
 
-static void attn_task(void *c_, int64_t a, int64_t b) { /* (head, token) pairs a .. b-1 */
+KQ_CLONES static void attn_task(void *c_, int64_t a, int64_t b) { /* (head, token) pairs a .. b-1 */
     const attn_ctx *c = c_;
     float *p = malloc((size_t)c->S * sizeof(float));
     float *acc = malloc((size_t)c->hd * sizeof(float));
@@ -57,27 +95,19 @@ static void attn_task(void *c_, int64_t a, int64_t b) { /* (head, token) pairs a
         int64_t n = c->S - c->T + t + 1; /* causal: keys 0 .. S-T+t */
         const float *q = c->q + (t * c->H + h) * c->hd;
         const float *K = c->kc + kv * c->max_len * c->hd, *V = c->vc + kv * c->max_len * c->hd;
+        kq_f32_dots(K, n, c->hd, q, p); /* p[s] = q . k_s */
         float mx = -INFINITY;
         for (int64_t s = 0; s < n; s++) {
-            const float *k = K + s * c->hd;
-            float d[8] = {0};
-            int64_t i = 0;
-            for (; i + 8 <= c->hd; i += 8)
-                for (int l = 0; l < 8; l++) d[l] += q[i + l] * k[i + l];
-            for (; i < c->hd; i++) d[0] += q[i] * k[i];
-            float dot = ((d[0] + d[4]) + (d[1] + d[5])) + ((d[2] + d[6]) + (d[3] + d[7]));
-            p[s] = dot * scale;
+            p[s] *= scale;
             mx = p[s] > mx ? p[s] : mx;
         }
         float sum = 0.0f;
-        for (int64_t s = 0; s < n; s++) { p[s] = expf(p[s] - mx); sum += p[s]; }
+        for (int64_t s = 0; s < n; s++) p[s] = kq_expf(p[s] - mx);
+        for (int64_t s = 0; s < n; s++) sum += p[s];
         float inv = 1.0f / sum;
-        for (int64_t i = 0; i < c->hd; i++) acc[i] = 0.0f;
-        for (int64_t s = 0; s < n; s++) {
-            const float *v = V + s * c->hd;
-            float ps = p[s];
-            for (int64_t i = 0; i < c->hd; i++) acc[i] += ps * v[i];
-        }
+        if (c->hd == 64) pv_64(p, V, n, acc);
+        else if (c->hd == 128) pv_128(p, V, n, acc);
+        else pv_any(p, V, n, c->hd, acc);
         float *o = c->out + (t * c->H + h) * c->hd;
         for (int64_t i = 0; i < c->hd; i++) o[i] = acc[i] * inv;
     }
