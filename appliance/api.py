@@ -22,13 +22,15 @@ from typing import Any, Awaitable, Callable
 import trio
 
 from .engine.image_processing import ImageError
-from .generation import ChatOutput, CompletionOutput, Generation
+from .generation import Generation
 from .h11_server import Exchange
 from .image_inputs import ImageBytesLimit, image_urls, prepare_images
 from .protocol import prometheus
+from .protocol.assemble import ChatAssembler, CompletionAssembler
 from .protocol.chunks import model_list
 from .protocol.errors import (ApiError, body_too_large, context_length_exceeded, error_body, invalid_api_key,
                               method_not_allowed, missing_api_key, not_found, not_ready, queue_full)
+from .protocol.reasoning import prompt_ends_in_reasoning
 from .protocol.requests import parse_chat_request, parse_completion_request
 from .protocol.sse import JSON_CONTENT_TYPE, json_bytes
 from .worker import NotReady, QueueFull, Worker
@@ -186,7 +188,9 @@ class Api:
         ids = loaded.tokenizer.encode(prompt)
         ids, images = await self._images(loaded, ex, req.messages, ids, len(body))
         self._check_context(loaded, len(ids), req.max_tokens)
-        gen = Generation(self, loaded, ids, req, ChatOutput(req, prompt, loaded), images)
+        out = ChatAssembler.for_request(req, model=self.cfg.model_name, created=int(time.time()),
+                                        in_reasoning=prompt_ends_in_reasoning(prompt))
+        gen = Generation(self, loaded, ids, req, out, images)
         await gen.run(ex, self._admit())
 
     async def completions(self, ex: Exchange) -> None:
@@ -207,7 +211,9 @@ class Api:
             ids = list(req.prompt)
             prompt_text = loaded.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else ""
         self._check_context(loaded, len(ids), req.max_tokens)
-        gen = Generation(self, loaded, ids, req, CompletionOutput(req, prompt_text, loaded))
+        out = CompletionAssembler.for_request(req, model=self.cfg.model_name, created=int(time.time()),
+                                              echo_text=prompt_text)
+        gen = Generation(self, loaded, ids, req, out)
         await gen.run(ex, self._admit())
 
     async def _images(self, loaded: Any, ex: Exchange, messages: list, ids: list[int], body_size: int):

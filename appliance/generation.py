@@ -1,13 +1,10 @@
 """One generation request from admission to the last byte: the path shared by stream and non-stream,
-chat and text completions.
+chat and text completions. The bytes and bodies come from the protocol's assemblers; this module decides
+when they are written.
 
 Policies:
-- Framing is decided per event as it arrives; nothing is batched. A stream writes each event with its own
-  socket write, the moment the engine's event crosses into trio.
-- Chat output: text goes through a ReasoningSplitter (think blocks -> reasoning_content); one chunk per
-  TokenEvent that releases text (content and reasoning_content in the same delta if one token carries both).
-  Logprobs of tokens that released no text yet ride on the next chunk that does, so every token's logprob is
-  sent exactly once.
+- Each event is written with its own socket write the moment the engine's event crosses into trio; nothing
+  is batched (the closing events, which exist together, are still written one by one).
 - Waiting in line: a stream gets an SSE comment every `queue_keepalive_s`; the comment writer runs beside the
   wait (cancelling the wait itself would lose the place in the FIFO line) and each write is shielded so a
   cancel never leaves half an event on the wire.
@@ -16,6 +13,8 @@ Policies:
 """
 from __future__ import annotations
 
+import json
+import logging
 import time
 from typing import Any
 
@@ -23,76 +22,19 @@ import trio
 
 from .engine.generate import FinishEvent, GenerationRequest, TokenEvent
 from .engine.kv_cache import ContextLengthError
-from .protocol.chunks import (ChatChunks, CompletionChunks, chat_completion, metrics_event, new_completion_id,
-                              text_completion, tokens_event)
+from .protocol.assemble import ChatAssembler, CompletionAssembler
 from .protocol.errors import ApiError, internal_error
 from .protocol.logprobs import entry_from_engine
-from .protocol.reasoning import ReasoningSplitter, prompt_ends_in_reasoning
-from .protocol.sse import SSE_DONE, SSE_HEADERS, sse_comment, sse_event
+from .protocol.sse import SSE_HEADERS, sse_comment, sse_event
 from .protocol.stats import GenerationStats
 from .worker import EngineFailure, Ticket
 
+log = logging.getLogger("appliance.generation")
 
-class ChatOutput:
-    def __init__(self, req: Any, prompt: str, loaded: Any):
-        self.chunks = ChatChunks(new_completion_id(), loaded.name, int(time.time()), include_usage=req.include_usage)
-        self.splitter = ReasoningSplitter(prompt_ends_in_reasoning(prompt))
-        self._token_bytes = loaded.tokenizer.token_bytes
-        self.want_logprobs = req.sampling.logprobs
-        self.pending_lp: list = []
-        self.all_lp: list = []
-        self.content: list[str] = []
-        self.reasoning: list[str] = []
-        self.reasoning_tokens = 0
 
-    def first_event(self) -> dict | None:
-        return self.chunks.role()
-
-    def _delta(self, pieces: list[tuple[str, str]]) -> dict | None:
-        content = "".join(t for k, t in pieces if k == "content")
-        reasoning = "".join(t for k, t in pieces if k == "reasoning")
-        self.content.append(content)
-        self.reasoning.append(reasoning)
-        if not content and not reasoning:
-            return None
-        lp, self.pending_lp = (self.pending_lp if self.want_logprobs else None), []
-        return self.chunks.delta(content=content or None, reasoning_content=reasoning or None, logprobs=lp)
-
-    def on_token(self, ev: TokenEvent) -> dict | None:
-        was_reasoning = self.splitter.in_reasoning
-        pieces = self.splitter.push(ev.text) if ev.text else []
-        if was_reasoning or any(k == "reasoning" for k, _ in pieces):
-            self.reasoning_tokens += 1
-        if self.want_logprobs and ev.logprob is not None:
-            entry = entry_from_engine(ev.logprob, self._token_bytes)
-            self.pending_lp.append(entry)
-            self.all_lp.append(entry)
-        return self._delta(pieces)
-
-    def on_finish(self, ev: FinishEvent, stats: GenerationStats) -> list[dict]:
-        out = []
-        tail = self._delta(self.splitter.push(ev.text) + self.splitter.flush())
-        if tail is None and self.pending_lp:
-            tail = self.chunks.delta(content="", logprobs=self.pending_lp)
-            self.pending_lp = []
-        if tail is not None:
-            out.append(tail)
-        out.append(self.chunks.finish(ev.reason, timings=stats))
-        return out
-
-    def usage(self, ev: FinishEvent) -> dict:
-        return _image_usage(self.chunks.usage(ev.prompt_tokens, ev.completion_tokens, self._reasoning_tokens()), ev)
-
-    def _reasoning_tokens(self) -> int | None:
-        return self.reasoning_tokens if self.splitter.saw_reasoning else None
-
-    def response(self, ev: FinishEvent, stats: GenerationStats) -> dict:
-        return _image_usage(chat_completion(self.chunks.completion_id, self.chunks.model, self.chunks.created,
-                               content="".join(self.content), finish_reason=ev.reason,
-                               prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens,
-                               reasoning_content="".join(self.reasoning) if self.splitter.saw_reasoning else None,
-                               timings=stats, logprobs=self.all_lp if self.want_logprobs else None,
-                               reasoning_tokens=self._reasoning_tokens()), ev)
+def split_events(blob: bytes) -> list[bytes]:
+    """Consecutive `data: ...\\n\\n` events -> one bytes per event (compact JSON never holds a raw newline)."""
+    return [part + b"\n\n" for part in blob.split(b"\n\n")[:-1]]
 
 
 def _image_usage(body: dict, ev: FinishEvent) -> dict:
@@ -104,68 +46,30 @@ def _image_usage(body: dict, ev: FinishEvent) -> dict:
     return body
 
 
-class CompletionOutput:
-    def __init__(self, req: Any, prompt_text: str, loaded: Any):
-        self.chunks = CompletionChunks(new_completion_id("cmpl"), loaded.name, int(time.time()),
-                                       include_usage=req.include_usage)
-        self._token_bytes = loaded.tokenizer.token_bytes
-        self.want_logprobs = req.sampling.logprobs
-        self.echo = prompt_text if req.echo else ""
-        self.pending_lp: list = []
-        self.all_lp: list = []
-        self.text: list[str] = []
-        self.offset = len(self.echo)
 
-    def first_event(self) -> dict | None:
-        return self.chunks.text(self.echo) if self.echo else None
-
-    def _chunk(self, text: str) -> dict | None:
-        if not text:
-            return None
-        self.text.append(text)
-        lp, self.pending_lp = (self.pending_lp if self.want_logprobs else None), []
-        chunk = self.chunks.text(text, logprobs=lp, text_offset=self.offset)
-        self.offset += len(text)
-        return chunk
-
-    def on_token(self, ev: TokenEvent) -> dict | None:
-        if self.want_logprobs and ev.logprob is not None:
-            entry = entry_from_engine(ev.logprob, self._token_bytes)
-            self.pending_lp.append(entry)
-            self.all_lp.append(entry)
-        return self._chunk(ev.text)
-
-    def on_finish(self, ev: FinishEvent, stats: GenerationStats) -> list[dict]:
-        out = []
-        tail = self._chunk(ev.text)
-        if tail is None and self.pending_lp:
-            tail = self.chunks.text("", logprobs=self.pending_lp, text_offset=self.offset)
-            self.pending_lp = []
-        if tail is not None:
-            out.append(tail)
-        out.append(self.chunks.finish(ev.reason, timings=stats))
-        return out
-
-    def usage(self, ev: FinishEvent) -> dict:
-        return self.chunks.usage(ev.prompt_tokens, ev.completion_tokens)
-
-    def response(self, ev: FinishEvent, stats: GenerationStats) -> dict:
-        return text_completion(self.chunks.completion_id, self.chunks.model, self.chunks.created,
-                               text=self.echo + "".join(self.text), finish_reason=ev.reason,
-                               prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens,
-                               timings=stats, logprobs=self.all_lp if self.want_logprobs else None,
-                               text_offset=len(self.echo))
+def _with_image_usage(event: bytes, ev: FinishEvent) -> bytes:
+    """The stream's usage event gets the same prompt_tokens_details as the non-stream body."""
+    if not getattr(ev.timings, "image_tokens", 0) or not event.startswith(b"data: {"):
+        return event
+    obj = json.loads(event[6:])
+    if obj.get("choices") == [] and obj.get("usage"):
+        return sse_event(_image_usage(obj, ev))
+    return event
 
 
 class Generation:
-    def __init__(self, api: Any, loaded: Any, prompt_ids: list[int], req: Any, output: ChatOutput | CompletionOutput,
-                 images: tuple = ()):
+    def __init__(self, api: Any, loaded: Any, prompt_ids: list[int], req: Any,
+                 assembler: ChatAssembler | CompletionAssembler, images: tuple = ()):
         self.api = api
         self.req = req
         self.prompt_ids = prompt_ids
-        self.output = output
+        self.out = assembler
+        self._token_bytes = loaded.tokenizer.token_bytes
         self.request = GenerationRequest(prompt_ids=prompt_ids, sampling=req.sampling, max_tokens=req.max_tokens,
                                          stop=tuple(req.stop), ignore_eos=req.ignore_eos, images=tuple(images))
+
+    def _logprob(self, ev: TokenEvent):
+        return entry_from_engine(ev.logprob, self._token_bytes) if ev.logprob is not None else None
 
     async def run(self, ex: Any, ticket: Ticket) -> None:
         stream = self.req.stream
@@ -173,20 +77,19 @@ class Generation:
             t_arrival = time.perf_counter()
             if stream:
                 await ex.start_stream(200, list(SSE_HEADERS) + self.api.cors_headers())
-                first = self.output.first_event()
-                if first is not None:
-                    await ex.send(sse_event(first))
+                first = self.out.start()
+                if first:
+                    await ex.send(first)
                 await self._wait_turn_streaming(ex, ticket)
             else:
                 await ticket.wait_turn()
             queue_ms = (time.perf_counter() - t_arrival) * 1000.0
             finish, failure = None, None
-            events = ticket.start(self.request)
-            async for ev in events:
+            async for ev in ticket.start(self.request):
                 if isinstance(ev, TokenEvent):
-                    chunk = self.output.on_token(ev)
-                    if stream and chunk is not None:
-                        await ex.send(sse_event(chunk))
+                    data = self.out.token(ev.text, self._logprob(ev))
+                    if stream and data:
+                        await ex.send(data)
                 elif isinstance(ev, FinishEvent):
                     finish = ev
                     break
@@ -198,16 +101,11 @@ class Generation:
             return await self._fail(ex, failure)
         stats = GenerationStats.from_finish(finish, queue_ms)
         if not stream:
-            return await self.api.send_json(ex, self.output.response(finish, stats))
-        for chunk in self.output.on_finish(finish, stats):
-            await ex.send(sse_event(chunk))
-        if self.req.include_usage:
-            await ex.send(sse_event(self.output.usage(finish)))
-        if self.req.include_metrics:
-            await ex.send(sse_event(metrics_event(stats)))
-        if self.req.include_tokens:
-            await ex.send(sse_event(tokens_event(list(self.prompt_ids) + list(finish.token_ids))))
-        await ex.send(SSE_DONE)
+            return await self.api.send_json(ex, _image_usage(self.out.response(finish.reason, finish.text, stats),
+                                                             finish))
+        tail = self.out.finish(finish.reason, finish.text, stats, self.prompt_ids, finish.token_ids)
+        for event in split_events(tail):
+            await ex.send(_with_image_usage(event, finish))
         await ex.end_stream()
 
     async def _wait_turn_streaming(self, ex: Any, ticket: Ticket) -> None:
@@ -228,6 +126,7 @@ class Generation:
         if isinstance(error, ContextLengthError):
             err = ApiError(400, str(error), param="messages", code="context_length_exceeded")
         else:
+            log.error("generation failed: %r", error, exc_info=error)
             err = internal_error()
         if not ex.response_started:
             raise err
