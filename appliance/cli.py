@@ -6,8 +6,8 @@ Policies:
 - Serving binds first (so /health answers 503 while the model loads), then loads the model on the engine
   thread. SIGTERM/SIGINT: stop accepting, let in-flight requests finish within --grace seconds, cancel the
   rest, exit 0. A second signal cancels at once.
-- --threads caps the BLAS/OpenMP pools; it must be set before numpy is imported, so heavy imports happen
-  inside the functions here, after argument parsing.
+- --threads sizes the C kernels' pool and caps the BLAS/OpenMP pools (set before numpy is imported, so heavy
+  imports happen inside the functions here, after argument parsing).
 """
 from __future__ import annotations
 
@@ -105,10 +105,21 @@ def _read_keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 def _load(args: argparse.Namespace):
     from .engine.model_dir import load_model
+    if args.threads:
+        set_native_threads(args.threads)
     loaded = load_model(args.model, context_length=args.ctx, prefill_chunk=args.prefill_chunk)
     if args.image_max_pixels and loaded.multimodal:
         loaded.model.image_processor = loaded.model.image_processor.capped(args.image_max_pixels)
     return loaded
+
+
+def set_native_threads(n: int) -> int | None:
+    """The C kernels' pool size (pinned to the big cores when the board has them); None without the library."""
+    from .native import cpu_topology, kernels
+    if not kernels.available():
+        return None
+    _, cpus = cpu_topology.thread_plan()
+    return kernels.set_threads(n, cpus)
 
 
 def model_name(path: str) -> str:

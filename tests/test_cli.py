@@ -81,7 +81,8 @@ def test_one_shot_prompt_streams_the_engines_reply(tiny_qwen3_tied):
     expected = "".join(ev.text for ev in loaded.engine.generate(req)) + "\n"
 
     proc = subprocess.Popen(CLI + ["--model", tiny_qwen3_tied, "--prompt", "Name three colours.", "--system",
-                                   "Be brief.", "--no-think", "--temperature", "0", "--max-tokens", "40"],
+                                   "Be brief.", "--no-think", "--temperature", "0", "--max-tokens", "40",
+                                   "--threads", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     reads = []
     while True:
@@ -162,3 +163,17 @@ def test_sigterm_cancels_what_outlives_the_grace_period(tiny_qwen3_tied):
     c.read_events(r)  # the stream ends (closed without [DONE])
     c.close()
     assert b"data: [DONE]\n\n" not in r.data_events()
+
+
+def test_threads_sizes_the_kernel_pool():
+    from appliance.cli import set_native_threads
+    from appliance.native import cpu_topology, kernels
+
+    if not kernels.available():  # numpy path: nothing to size, and nothing breaks
+        assert set_native_threads(1) is None
+        return
+    try:
+        assert set_native_threads(1) == 1 and kernels.get_threads() == 1
+        assert set_native_threads(3) == 3 and kernels.get_threads() == 3
+    finally:
+        kernels.set_threads(*cpu_topology.thread_plan())
