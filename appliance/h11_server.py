@@ -378,6 +378,8 @@ class HttpServer:
         self.connections.add(conn)
         try:
             await conn.run()
+        except Exception:  # one connection's failure never takes the server down
+            log.exception("connection failed")
         finally:
             self.connections.discard(conn)
 
