@@ -207,3 +207,19 @@ def test_health_is_503_while_loading(tiny_qwen3_tied):
         r, b = exchange(s, request_bytes("GET", "/health"))
         body = json.loads(b)
         assert r.status == 200 and body["status"] == "ok" and body["queue_depth"] == 0
+
+
+def test_context_overflow_is_400_before_queueing(server):
+    tok = server.worker.loaded.tokenizer
+    ctx = server.worker.loaded.context_length
+    words = " ".join(f"w{i}" for i in range(ctx))
+    assert len(tok.encode(words)) > ctx
+    started = server.worker.stats.requests_started
+    r, b = exchange(server, request_bytes("POST", "/v1/chat/completions", chat_body(words), headers=AUTH))
+    assert r.status == 400 and error_of(b)["code"] == "context_length_exceeded"
+    n = len(tok.encode(" ".join(f"w{i}" for i in range(ctx // 4))))
+    fits = " ".join(f"w{i}" for i in range(ctx // 4))
+    r, b = exchange(server, request_bytes("POST", "/v1/chat/completions",
+                                          chat_body(fits, max_tokens=ctx - n // 2), headers=AUTH))
+    assert r.status == 400 and error_of(b)["code"] == "context_length_exceeded"
+    assert server.worker.stats.requests_started == started  # refused before anything waited or ran
