@@ -155,7 +155,7 @@ def test_erf_and_blocked_vision_attention(loaded, monkeypatch):
     assert np.abs(vision.erf(x) - np.array([math.erf(v) for v in x.astype(np.float64)])).max() < 2e-7
     img = loaded.model.image_processor.preprocess(pictures((300, 200))[0])
     whole = loaded.model.vision.encode(img.pixel_values, img.grid_thw)
-    monkeypatch.setattr(vision, "ATTN_BLOCK_ELEMS", 2 * 216 * 10)  # 10 queries per block, 22 blocks
+    monkeypatch.setattr(vision, "ATTN_BLOCK_ELEMS", 216 * 10)  # 10 queries per block, 22 blocks per head
     blocked = loaded.model.vision.encode(img.pixel_values, img.grid_thw)
     np.testing.assert_allclose(blocked.embeds, whole.embeds, rtol=1e-5, atol=1e-5)
     for a, b in zip(blocked.deepstack, whole.deepstack):

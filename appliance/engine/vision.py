@@ -7,8 +7,9 @@ Policies:
 - Patches arrive in merge-block order (image_processing.patchify), so the 2x2 merger is a reshape of
   consecutive rows. The 3D patch convolution (kernel = stride = patch) is a matmul over flattened patches.
 - Weights are the same linear-weight objects as the decoder's (weights.py), so faster kernels drop in.
-- Attention runs over blocks of queries so an image of thousands of patches never materialises a full
-  (heads, N, N) score matrix at once.
+- Attention runs head by head over blocks of queries: the scores stay cache-sized (numpy's elementwise
+  passes are single-threaded and memory-bound) and an image of thousands of patches never materialises a
+  (heads, N, N) matrix.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import numpy as np
 
 from .qwen3 import apply_rope
 
-ATTN_BLOCK_ELEMS = 32 * 2**20  # score elements per attention block (128 MB of float32)
+ATTN_BLOCK_ELEMS = 2**20  # score elements per attention block (one head: 4 MB of float32)
 
 
 @dataclass(frozen=True)
@@ -193,18 +194,21 @@ def vision_rope(rows: np.ndarray, cols: np.ndarray, head_dim: int, theta: float)
 
 
 def self_attention(qkv: np.ndarray, heads: int, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Bidirectional multi-head attention over one image: qkv (N, 3*hidden) -> (N, hidden)."""
+    """Bidirectional multi-head attention over one image: qkv (N, 3*hidden) -> (N, hidden). One head and one
+    block of queries at a time, so the score matrix stays cache-sized and every product is a plain 2D GEMM."""
     n = qkv.shape[0]
     q, k, v = qkv.reshape(n, 3, heads, -1).transpose(1, 2, 0, 3)  # each (H, N, hd)
     hd = q.shape[-1]
-    q = apply_rope(q, cos, sin) * np.float32(hd ** -0.5)
-    k_t = apply_rope(k, cos, sin).transpose(0, 2, 1)  # (H, hd, N): a transposed view BLAS takes as is
-    v = np.ascontiguousarray(v)  # a strided v would send numpy's stacked matmul off BLAS (3x slower)
-    out = np.empty_like(q)  # (H, N, hd)
-    block = max(1, ATTN_BLOCK_ELEMS // (heads * n))
-    for s in range(0, n, block):
-        scores = q[:, s:s + block] @ k_t  # (H, b, N)
-        scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        scores /= scores.sum(axis=-1, keepdims=True)
-        out[:, s:s + block] = scores @ v
-    return out.transpose(1, 0, 2).reshape(n, -1)  # (N, hidden)
+    q = apply_rope(q, cos, sin) * np.float32(hd ** -0.5)  # (H, N, hd)
+    k = apply_rope(k, cos, sin)
+    out = np.empty((n, heads, hd), np.float32)
+    block = max(1, ATTN_BLOCK_ELEMS // n)
+    for h in range(heads):
+        k_t = k[h].T  # (hd, N): a transposed view BLAS takes as is
+        v_h = np.ascontiguousarray(v[h])  # (N, hd)
+        for s in range(0, n, block):
+            scores = q[h, s:s + block] @ k_t  # (b, N)
+            scores -= scores.max(axis=-1, keepdims=True)
+            np.exp(scores, out=scores)
+            out[s:s + block, h] = (scores @ v_h) / scores.sum(axis=-1, keepdims=True)
+    return out.reshape(n, heads * hd)  # (N, hidden)
