@@ -113,3 +113,16 @@ def test_build_declines_what_it_cannot_serve():
     m.layers[0].attn.q = QuantWeight(m.layers[0].attn.q.qtype, m.layers[0].attn.q.shape, m.layers[0].attn.q.raw,
                                      native=False)
     assert NativeDecoder.build(m) is None
+
+
+def test_native_decoder_is_built_once_per_model():
+    from appliance.native.decoder import _BUILT, native_decoder
+    rng = np.random.default_rng(2)
+    m = _model("llama", ["Q8_0"], rng, L=1)
+    d = native_decoder(m)
+    assert d is not None and native_decoder(m) is d
+    key = id(m)
+    del m, d
+    import gc
+    gc.collect()
+    assert key not in _BUILT

@@ -51,9 +51,9 @@ def native_linear(w) -> tuple[QType, np.ndarray] | None:
 
 class NativeDecoder:
     def __init__(self, model, layers: list[dict]):
-        self.model = model
-        self._keep: list[np.ndarray] = []
         c = model.config
+        self.norm, self.eps = model.norm, c.rms_norm_eps  # no reference to the model itself: see native_decoder
+        self._keep: list[np.ndarray] = []
         arr = (_Layer * len(layers))()
         for i, spec in enumerate(layers):
             for name in _LINEARS:
@@ -135,4 +135,24 @@ class NativeDecoder:
         from appliance.engine.qwen3 import rms_norm
         h = self.forward_layers(h, cache, cos, sin)
         cache.commit(h.shape[0])
-        return rms_norm(h, self.model.norm, self.model.config.rms_norm_eps)
+        return rms_norm(h, self.norm, self.eps)
+
+
+_BUILT: dict[int, tuple[weakref.ref, "NativeDecoder | None"]] = {}
+
+
+def native_decoder(model) -> "NativeDecoder | None":
+    """The NativeDecoder of `model`, built on first use and remembered for the model's lifetime (None when
+    the model is not served natively). For qwen3.forward_hidden:
+
+        dec = native_decoder(model) if after_layer is None else None
+        if dec is not None:
+            return dec.forward_hidden(h, cache, cos, sin)
+    """
+    entry = _BUILT.get(id(model))
+    if entry is not None and entry[0]() is model:
+        return entry[1]
+    dec = NativeDecoder.build(model)
+    key = id(model)
+    _BUILT[key] = (weakref.ref(model, lambda _r, k=key: _BUILT.pop(k, None)), dec)
+    return dec
