@@ -5,9 +5,10 @@ when they are written.
 Policies:
 - Each event is written with its own socket write the moment the engine's event crosses into trio; nothing
   is batched (the closing events, which exist together, are still written one by one).
-- Waiting in line: a stream gets an SSE comment every `queue_keepalive_s`; the comment writer runs beside the
-  wait (cancelling the wait itself would lose the place in the FIFO line) and each write is shielded so a
-  cancel never leaves half an event on the wire.
+- Waiting in line and in prefill: a stream gets an SSE comment every `queue_keepalive_s` until its first
+  token event; the comment writer runs beside the wait (cancelling the wait itself would lose the place in
+  the FIFO line), shares a lock with the event writes, and each of its writes is shielded so a cancel never
+  leaves half a comment on the wire.
 - Engine failures: before a stream starts, an error response (400 for ContextLengthError, else 500); inside a
   stream, an `{"error": ...}` event (the openai client raises it as APIError) and the stream ends.
 """
@@ -65,6 +66,9 @@ class Generation:
         self.prompt_ids = prompt_ids
         self.out = assembler
         self._token_bytes = loaded.tokenizer.token_bytes
+        self._phase = "queued"
+        self._send_lock = trio.Lock()
+        self._keepalive_scope = trio.CancelScope()
         self.request = GenerationRequest(prompt_ids=prompt_ids, sampling=req.sampling, max_tokens=req.max_tokens,
                                          stop=tuple(req.stop), ignore_eos=req.ignore_eos, images=tuple(images))
 
@@ -74,29 +78,32 @@ class Generation:
     async def run(self, ex: Any, ticket: Ticket) -> None:
         stream = self.req.stream
         async with ticket:
-            t_arrival = time.perf_counter()
-            if stream:
-                await ex.start_stream(200, list(SSE_HEADERS) + self.api.cors_headers())
-                first = self.out.start()
-                if first:
-                    await ex.send(first)
-                await self._wait_turn_streaming(ex, ticket)
-            else:
+            async with trio.open_nursery() as nursery:
+                t_arrival = time.perf_counter()
+                if stream:
+                    await ex.start_stream(200, list(SSE_HEADERS) + self.api.cors_headers())
+                    first = self.out.start()
+                    if first:
+                        await self._send(ex, first)
+                    nursery.start_soon(self._keepalive, ex)
                 await ticket.wait_turn()
-            queue_ms = (time.perf_counter() - t_arrival) * 1000.0
-            finish, failure = None, None
-            async for ev in ticket.start(self.request):
-                if isinstance(ev, TokenEvent):
-                    data = self.out.token(ev.text, self._logprob(ev))
-                    if stream and data:
-                        await ex.send(data)
-                elif isinstance(ev, FinishEvent):
-                    finish = ev
-                    break
-                elif isinstance(ev, EngineFailure):
-                    failure = ev.error
-                    break
-            ticket.finished()
+                self._phase = "prefill"
+                queue_ms = (time.perf_counter() - t_arrival) * 1000.0
+                finish, failure = None, None
+                async for ev in ticket.start(self.request):
+                    if isinstance(ev, TokenEvent):
+                        data = self.out.token(ev.text, self._logprob(ev))
+                        if stream and data:
+                            self._keepalive_scope.cancel()
+                            await self._send(ex, data)
+                    elif isinstance(ev, FinishEvent):
+                        finish = ev
+                        break
+                    elif isinstance(ev, EngineFailure):
+                        failure = ev.error
+                        break
+                ticket.finished()
+                self._keepalive_scope.cancel()
         if finish is None:
             return await self._fail(ex, failure)
         stats = GenerationStats.from_finish(finish, queue_ms)
@@ -108,19 +115,18 @@ class Generation:
             await ex.send(_with_image_usage(event, finish))
         await ex.end_stream()
 
-    async def _wait_turn_streaming(self, ex: Any, ticket: Ticket) -> None:
-        interval = self.api.cfg.queue_keepalive_s
+    async def _send(self, ex: Any, data: bytes) -> None:
+        async with self._send_lock:
+            await ex.send(data)
 
-        async def keepalive() -> None:
+    async def _keepalive(self, ex: Any) -> None:
+        """SSE comments every queue_keepalive_s until the first event after the role frame: while queued
+        (`: queued`) and during a long prefill (`: prefill`), so proxies and clients with read timeouts stay."""
+        with self._keepalive_scope:
             while True:
-                await trio.sleep(interval)
-                with trio.CancelScope(shield=True):
-                    await ex.send(sse_comment("queued"))
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(keepalive)
-            await ticket.wait_turn()
-            nursery.cancel_scope.cancel()
+                await trio.sleep(self.api.cfg.queue_keepalive_s)
+                with trio.CancelScope(shield=True):  # never half a comment on the wire
+                    await self._send(ex, sse_comment(self._phase))
 
     async def _fail(self, ex: Any, error: BaseException | None) -> None:
         if isinstance(error, ContextLengthError):

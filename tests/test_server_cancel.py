@@ -18,7 +18,7 @@ PREFILL_CHUNK = 16
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3_tied):
-    with LiveServer(tiny_qwen3_tied, queue=2, prefill_chunk=PREFILL_CHUNK, queue_keepalive_s=0.2) as s:
+    with LiveServer(tiny_qwen3_tied, queue=2, prefill_chunk=PREFILL_CHUNK, queue_keepalive_s=0.01) as s:
         yield s
 
 
@@ -155,3 +155,17 @@ def test_client_leaving_the_queue_never_runs(server):
     a.close()
     server.wait_for(lambda: not server.worker.busy, what="the engine to go idle")
     assert server.worker.stats.requests_started == started_before + 1
+
+
+def test_keepalive_comments_during_a_long_prefill(server):
+    """A long prefill sends `: prefill` comments (so proxies with read timeouts keep the stream), and they
+    stop with the first token event."""
+    prompt = long_prompt(1600)
+    c, r = open_stream(server, chat_body(prompt, stream=True, max_tokens=5, ignore_eos=True))
+    c.read_events(r)
+    c.close()
+    kinds = [e for _, e in r.events]
+    first_token = next(i for i, e in enumerate(kinds) if b'"content":"' in e and b'"role"' not in e)
+    assert b": prefill\n\n" in kinds[1:first_token]
+    assert all(not e.startswith(b":") for e in kinds[first_token:])
+    assert kinds[-1] == b"data: [DONE]\n\n"
