@@ -1,0 +1,269 @@
+"""`kestrel-appliance convert HF_DIR OUT.gguf --type q8_0|q4_0|f16|f32`: quantize a Hugging Face checkpoint once,
+on any machine, into a GGUF file that both this engine and llama.cpp load.
+
+Policies:
+- Architectures: qwen3, qwen2, llama (dense). The file carries what llama.cpp needs to run it on its own:
+  architecture hyper-parameters, the byte-level BPE tokenizer (`gpt2` model, `pre` chosen from the
+  tokenizer.json split regex, tokens padded to the embedding size, token types, merges), special ids,
+  add_bos flag and the chat template.
+- Tensor types: every 2-D weight gets the requested type, except rows whose length is not a multiple of
+  the block size (32), which fall back to F16 as llama.cpp's converter does; 1-D tensors (norms, biases)
+  stay F32. Quantization uses the `gguf` package's reference quantizers (bit-exact with ggml's).
+- llama checkpoints get llama.cpp's q/k row permutation (its RoPE pairs adjacent elements); qwen2/qwen3 are
+  written in Hugging Face order. The loader undoes the permutation, so a round trip is exact.
+- Tensors are converted and written one at a time (the output is never held in memory), to OUT.tmp and
+  renamed at the end; a progress bar goes to stderr. Bad input is a one-line error and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+TYPES = {"f32": "F32", "f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
+FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0"}
+ARCHITECTURES = ("qwen3", "qwen2", "llama")
+LAYER_NAMES = {  # Hugging Face name inside model.layers.N. -> GGUF name inside blk.N.
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+class ConvertError(Exception):
+    """The input cannot be converted; the message is one line for the user."""
+
+
+def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k permutation for the llama architecture (rows of each head: halves -> pairs)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def split_regex_of(tokenizer_json: dict) -> str:
+    """The `tokenizer.ggml.pre` name matching a tokenizer.json pre-tokenizer (llama.cpp's names)."""
+    from appliance.engine.gguf_tokenizer import LLAMA3_SPLIT, QWEN2_SPLIT
+
+    text = json.dumps(tokenizer_json.get("pre_tokenizer"))
+    for name, regex in (("qwen2", QWEN2_SPLIT), ("llama-bpe", LLAMA3_SPLIT)):
+        if json.dumps(regex)[1:-1] in text:
+            return name
+    pre = tokenizer_json.get("pre_tokenizer") or {}
+    kinds = [p.get("type") for p in pre.get("pretokenizers", [pre])]
+    if kinds == ["Digits", "ByteLevel"]:
+        return "smollm"
+    if kinds == ["ByteLevel"]:
+        return "gpt2"
+    raise ConvertError(f"unrecognised pre-tokenizer {text[:120]}")
+
+
+def _content(v):
+    return v.get("content") if isinstance(v, dict) else v
+
+
+def write_tokenizer(writer, model_dir: str, vocab_size: int, config: dict) -> None:
+    """tokenizer.ggml.* and tokenizer.chat_template from a Hugging Face directory's tokenizer files."""
+    import gguf
+
+    from appliance.engine.chat_template import ChatTemplate
+
+    with open(os.path.join(model_dir, "tokenizer.json"), encoding="utf-8") as f:
+        tj = json.load(f)
+    tok_cfg = {}
+    if os.path.isfile(os.path.join(model_dir, "tokenizer_config.json")):
+        with open(os.path.join(model_dir, "tokenizer_config.json"), encoding="utf-8") as f:
+            tok_cfg = json.load(f)
+    if tj["model"]["type"] != "BPE":
+        raise ConvertError(f"tokenizer model {tj['model']['type']} is not supported (byte-level BPE only)")
+    pre = split_regex_of(tj)
+    by_id: dict[int, tuple[str, int]] = {i: (t, gguf.TokenType.NORMAL) for t, i in tj["model"]["vocab"].items()}
+    for a in tj.get("added_tokens", []):
+        by_id[a["id"]] = (a["content"], gguf.TokenType.CONTROL if a["special"] else gguf.TokenType.USER_DEFINED)
+    n = max(vocab_size, max(by_id) + 1)
+    tokens = [by_id.get(i, (f"[PAD{i}]", gguf.TokenType.UNUSED)) for i in range(n)]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list([t for t, _ in tokens])
+    writer.add_token_types([int(ty) for _, ty in tokens])
+    writer.add_token_merges(merges)
+    ids = {t: i for i, (t, _) in enumerate(tokens)}
+
+    def special(name: str, cfg_key: str):
+        content = _content(tok_cfg.get(name))
+        if content is not None and content in ids:
+            return ids[content]
+        v = config.get(cfg_key)
+        return v[0] if isinstance(v, list) else v
+
+    for adder, name, key in ((writer.add_bos_token_id, "bos_token", "bos_token_id"),
+                             (writer.add_eos_token_id, "eos_token", "eos_token_id"),
+                             (writer.add_pad_token_id, "pad_token", "pad_token_id")):
+        i = special(name, key)
+        if i is not None:
+            adder(int(i))
+    writer.add_add_bos_token(bool(tok_cfg.get("add_bos_token", False)))
+    sources = ChatTemplate.from_dir(model_dir).sources
+    if list(sources) == ["default"]:
+        writer.add_chat_template(sources["default"])
+    else:
+        writer.add_chat_template([{"name": k, "template": v} for k, v in sources.items()])
+
+
+def write_hparams(writer, cfg, name: str, file_type: str) -> None:
+    """Architecture keys (`{arch}.*`) from a Qwen3Config, plus general.* and the file type."""
+    import gguf
+
+    writer.add_name(name)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_file_type(getattr(gguf.LlamaFileType, file_type))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def tensor_plan(st, cfg) -> list[tuple[str, str, str | None]]:
+    """(gguf name, safetensors name, permute: 'q' | 'k' | None) in llama.cpp's usual order."""
+    plan = [("token_embd.weight", "model.embed_tokens.weight", None)]
+    for i in range(cfg.num_hidden_layers):
+        for hf, gg in LAYER_NAMES.items():
+            name = f"model.layers.{i}.{hf}"
+            if name in st:
+                perm = gg.split(".")[0][-1] if gg.startswith(("attn_q.", "attn_k.")) else None
+                plan.append((f"blk.{i}.{gg}", name, perm))
+    plan.append(("output_norm.weight", "model.norm.weight", None))
+    if not cfg.tie_word_embeddings and "lm_head.weight" in st:
+        plan.append(("output.weight", "lm_head.weight", None))
+    return plan
+
+
+def encode_tensor(w: np.ndarray, qtype_name: str) -> tuple[np.ndarray, "object"]:
+    """float32 array -> (array to write, GGMLQuantizationType)."""
+    import gguf
+
+    if w.ndim == 1 or qtype_name == "F32":
+        return np.ascontiguousarray(w, dtype=np.float32), gguf.GGMLQuantizationType.F32
+    qtype = getattr(gguf.GGMLQuantizationType, qtype_name)
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    if qtype_name == "F16" or w.shape[-1] % block:
+        return w.astype(np.float16), gguf.GGMLQuantizationType.F16
+    return gguf.quants.quantize(w, qtype), qtype
+
+
+class Progress:
+    """One-line progress bar on stderr."""
+
+    def __init__(self, total: int, stream, width: int = 30):
+        self.total, self.done, self.stream, self.width, self.t0 = max(total, 1), 0, stream, width, time.time()
+        self.last = 0.0
+
+    def advance(self, n: int, label: str) -> None:
+        self.done += n
+        now = time.time()
+        if self.done < self.total and now - self.last < 0.2:  # redraw at most 5 times a second
+            return
+        self.last = now
+        frac = self.done / self.total
+        bar = "#" * int(frac * self.width)
+        self.stream.write(f"\r[{bar:<{self.width}}] {100 * frac:5.1f}% {time.time() - self.t0:6.1f}s {label[:40]:<40}")
+        if self.done >= self.total:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def convert(model_dir: str, out_path: str, type_name: str, progress_stream=None) -> str:
+    import gguf
+
+    from appliance.engine.config import Qwen3Config
+    from appliance.engine.safetensors import SafeTensors, to_float32
+
+    if type_name not in TYPES:
+        raise ConvertError(f"unknown type {type_name!r} (choose from {', '.join(TYPES)})")
+    cfg_path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ConvertError(f"no config.json in {model_dir}")
+    with open(cfg_path, encoding="utf-8") as f:
+        cfg_dict = json.load(f)
+    if cfg_dict.get("model_type") not in ARCHITECTURES:
+        raise ConvertError(f"unsupported model type {cfg_dict.get('model_type')!r} (supported: {', '.join(ARCHITECTURES)})")
+    cfg = Qwen3Config.from_dict(cfg_dict)
+    st = SafeTensors(model_dir)
+    out_dir = os.path.dirname(os.path.abspath(out_path))
+    if not os.path.isdir(out_dir):
+        raise ConvertError(f"output directory does not exist: {out_dir}")
+    tmp = out_path + ".tmp"
+    writer = gguf.GGUFWriter(tmp, cfg.model_type)
+    write_hparams(writer, cfg, os.path.basename(os.path.abspath(model_dir)), FILE_TYPES[type_name])
+    write_tokenizer(writer, model_dir, cfg.vocab_size, cfg_dict)
+    plan = tensor_plan(st, cfg)
+    heads = {"q": cfg.num_attention_heads, "k": cfg.num_key_value_heads}
+
+    def load(hf_name: str, perm: str | None) -> np.ndarray:
+        w = to_float32(*st.raw(hf_name))
+        if perm is not None and cfg.model_type == "llama":
+            w = permute_rows(w, heads[perm])
+        return w
+
+    infos = []
+    for gg_name, hf_name, perm in plan:  # shapes and sizes first: the header precedes the data
+        shape = st.raw(hf_name)[0].shape
+        one_row, qtype = encode_tensor(np.zeros((1, shape[-1]) if len(shape) == 2 else shape, np.float32),
+                                       TYPES[type_name])
+        byte_shape = (shape[0],) + one_row.shape[1:] if len(shape) == 2 else one_row.shape
+        nbytes = int(np.prod(byte_shape)) * one_row.itemsize
+        writer.add_tensor_info(gg_name, byte_shape, one_row.dtype, nbytes, raw_dtype=qtype)
+        infos.append(nbytes)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    bar = Progress(sum(infos), progress_stream or sys.stderr)
+    for (gg_name, hf_name, perm), nbytes in zip(plan, infos):
+        arr, _ = encode_tensor(load(hf_name, perm), TYPES[type_name])
+        writer.write_tensor_data(arr)
+        bar.advance(nbytes, gg_name)
+    writer.close()
+    os.replace(tmp, out_path)
+    return out_path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kestrel-appliance convert",
+                                description="Convert a Hugging Face checkpoint directory to a GGUF file.")
+    p.add_argument("model_dir", metavar="HF_DIR")
+    p.add_argument("out", metavar="OUT.gguf")
+    p.add_argument("--type", default="q8_0", choices=sorted(TYPES), help="weight type of the matrices")
+    args = p.parse_args(argv)
+    try:
+        path = convert(args.model_dir, args.out, args.type)
+    except (ConvertError, OSError, ValueError, KeyError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"kestrel-appliance convert: error: {msg}", file=sys.stderr)
+        try:
+            os.remove(args.out + ".tmp")
+        except OSError:
+            pass
+        return 2
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

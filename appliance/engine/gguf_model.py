@@ -1,0 +1,206 @@
+"""Load a GGUF file (llama.cpp's container) into a ready Engine: qwen3, qwen2 and llama architectures.
+
+Policies:
+- The file is memory-mapped by the `gguf` package's GGUFReader and the weights stay in their stored form:
+  quantized (and F16/BF16) matrices are wrapped in QuantWeight over the mapped bytes; F32 matrices are
+  zero-copy DenseWeight views; only the small 1-D tensors (norms, biases) are read as float32 arrays.
+- Configuration, tokenizer, chat template and stop ids all come from the file's own metadata (llama.cpp key
+  names); nothing is looked up beside the file.
+- Checkpoint quirks stay here: llama.cpp's converter permutes the llama architecture's q/k rows so ggml's
+  interleaved RoPE applies; we put those rows back in Hugging Face order (a reorder of the quantized rows,
+  done once at load) so the decoder's rotate-half RoPE stays the only RoPE. Qwen2/Qwen3 files are stored
+  in Hugging Face order already.
+- What we cannot compute exactly is refused with a one-line ModelLoadError: other architectures, RoPE
+  scaling, partial rotary dimensions, non-BPE tokenizers, tensor types the kernels do not know.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from . import qwen3
+from .config import Qwen3Config
+from .generate import Engine
+from .weights import DenseWeight
+
+SUPPORTED_ARCHITECTURES = ("qwen3", "qwen2", "llama")
+# GGUF general.sampling.* -> generation_config.json names (what LoadedModel.default_sampling holds)
+SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                 "penalty_repeat": "repetition_penalty"}
+
+
+def open_gguf(path: str):
+    """A gguf.GGUFReader over the file (read-only mapping); see FastGGUFReader."""
+    from gguf import GGUFReader
+
+    class FastGGUFReader(GGUFReader):
+        """GGUFReader whose reads slice a plain ndarray view of the same mapping: numpy.memmap's per-slice
+        bookkeeping made parsing a 150k-token vocabulary take ~20 s; this takes ~3 s. Tensors stay zero-copy
+        views of the mapped file."""
+
+        def _get(self, offset, dtype, count=1, override_order=None):
+            plain = self.__dict__.get("_plain")
+            if plain is None:
+                plain = self._plain = self.data.view(np.ndarray)
+            dt = np.dtype(dtype)
+            count = int(count)
+            arr = plain[offset:offset + dt.itemsize * count].view(dt)[:count]
+            order = self.byte_order if override_order is None else override_order
+            return arr if order == "I" else arr.view(arr.dtype.newbyteorder(order))
+
+    return FastGGUFReader(path, "r")
+
+
+def read_metadata(reader) -> dict[str, Any]:
+    """All key/value fields of a GGUFReader as Python values (strings decoded, arrays as lists)."""
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        meta[key] = field.contents()
+    return meta
+
+
+def unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
+    """Row order that turns llama.cpp's permuted q/k rows (pairs interleaved per head) back into Hugging
+    Face order (first halves, then second halves): hf = gguf[unpermute_rows(...)]."""
+    hd = n_rows // n_head
+    idx = np.arange(n_rows).reshape(n_head, hd // 2, 2)  # gguf row of (head, pair p, half s)
+    return idx.transpose(0, 2, 1).reshape(n_rows)  # hf row h*hd + s*hd/2 + p <- gguf row h*hd + 2p + s
+
+
+class GGUFModelFile:
+    """The tensors of one GGUF file by name, wrapped as the decoder's weight objects."""
+
+    def __init__(self, reader):
+        self.tensors = {t.name: t for t in reader.tensors}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def vector(self, name: str) -> np.ndarray:
+        t = self.tensors[name]
+        if t.tensor_type.name not in ("F32", "F16"):
+            raise ValueError(f"tensor {name} has type {t.tensor_type.name}; a 1-D tensor must be F32 or F16")
+        return np.asarray(t.data, dtype=np.float32).reshape(-1)  # (n,)
+
+    def matrix(self, name: str, row_order: np.ndarray | None = None):
+        """A linear/embedding weight of numpy shape (out, in); row_order reorders rows (at load, quantized)."""
+        from .quant_weights import QuantWeight
+
+        t = self.tensors[name]
+        shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists ne0 (the row length) first
+        if len(shape) != 2:
+            raise ValueError(f"tensor {name} has {len(shape)} dimensions; expected a matrix")
+        data = t.data
+        if t.tensor_type.name == "F32":
+            w = np.asarray(data, dtype=np.float32).reshape(shape)  # (out, in): zero-copy mmap view
+            return DenseWeight(w if row_order is None else np.ascontiguousarray(w[row_order]))
+        raw = data.view(np.uint8).reshape(shape[0], -1)  # (out, bytes_per_row)
+        if row_order is not None:
+            raw = np.ascontiguousarray(raw[row_order])
+        return QuantWeight(t.tensor_type, shape, raw)
+
+
+def f32_value(v) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-06, not 9.99999997e-07)."""
+    return float(f"{float(v):.7g}")
+
+
+def config_from_metadata(meta: dict[str, Any], f: GGUFModelFile) -> Qwen3Config:
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+
+    def key(name, default=None):
+        v = meta.get(f"{arch}.{name}", default)
+        if v is None:
+            raise ValueError(f"metadata key {arch}.{name} is missing")
+        return v
+
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", None) or "rope_freqs.weight" in f:
+        raise ValueError(f"rope scaling {scaling if scaling != 'none' else 'llama3 (rope_freqs)'!r} is not supported")
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    head_dim = int(key("attention.key_length", hidden // heads))
+    if int(key("rope.dimension_count", head_dim)) != head_dim:
+        raise ValueError("partial rotary embeddings are not supported")
+    vocab = len(meta["tokenizer.ggml.tokens"]) if "tokenizer.ggml.tokens" in meta else int(key("vocab_size"))
+    return Qwen3Config(
+        model_type=arch, vocab_size=int(meta.get(f"{arch}.vocab_size", vocab)), hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")), num_hidden_layers=int(key("block_count")),
+        num_attention_heads=heads, num_key_value_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=head_dim, rms_norm_eps=f32_value(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=f32_value(key("rope.freq_base", 10000.0)), max_position_embeddings=int(key("context_length")),
+        tie_word_embeddings="output.weight" not in f,
+        qk_norm="blk.0.attn_q_norm.weight" in f, attention_bias="blk.0.attn_q.bias" in f)
+
+
+def build_model(cfg: Qwen3Config, f: GGUFModelFile) -> qwen3.Qwen3Model:
+    """The decoder over GGUF tensor names (blk.N.attn_q.weight, ...)."""
+    permuted = cfg.model_type == "llama"
+    q_order = unpermute_rows(cfg.num_attention_heads * cfg.head_dim, cfg.num_attention_heads) if permuted else None
+    k_order = unpermute_rows(cfg.num_key_value_heads * cfg.head_dim, cfg.num_key_value_heads) if permuted else None
+
+    def opt(name, order=None):
+        if name not in f:
+            return None
+        v = f.vector(name)
+        return v if order is None else v[order]
+
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        p = f"blk.{i}."
+        attn = qwen3.Attention(
+            q=f.matrix(p + "attn_q.weight", q_order), k=f.matrix(p + "attn_k.weight", k_order),
+            v=f.matrix(p + "attn_v.weight"), o=f.matrix(p + "attn_output.weight"),
+            q_norm=opt(p + "attn_q_norm.weight"), k_norm=opt(p + "attn_k_norm.weight"),
+            q_bias=opt(p + "attn_q.bias", q_order), k_bias=opt(p + "attn_k.bias", k_order),
+            v_bias=opt(p + "attn_v.bias"))
+        mlp = qwen3.SwiGLU(f.matrix(p + "ffn_gate.weight"), f.matrix(p + "ffn_up.weight"),
+                           f.matrix(p + "ffn_down.weight"))
+        layers.append(qwen3.Layer(f.vector(p + "attn_norm.weight"), attn, f.vector(p + "ffn_norm.weight"), mlp))
+    embed = f.matrix("token_embd.weight")
+    lm_head = embed if cfg.tie_word_embeddings else f.matrix("output.weight")
+    return qwen3.Qwen3Model(cfg, embed, layers, f.vector("output_norm.weight"), lm_head)
+
+
+def default_sampling(meta: dict[str, Any]) -> dict:
+    out = {}
+    for k, name in SAMPLING_KEYS.items():
+        if f"general.sampling.{k}" in meta:
+            out[name] = meta[f"general.sampling.{k}"]
+    return out
+
+
+def load_gguf(path: str, context_length: int | None = None, prefill_chunk: int = 256):
+    """A .gguf file -> LoadedModel (see model_dir.load_model, which dispatches here)."""
+    from .chat_template import ChatTemplate, ChatTemplateError
+    from .gguf_tokenizer import build_tokenizer, chat_templates, eog_ids
+    from .model_dir import DEFAULT_CONTEXT, LoadedModel, ModelLoadError
+
+    path = os.path.abspath(path)
+    try:
+        reader = open_gguf(path)
+    except (ValueError, OSError, IndexError, KeyError) as e:  # not a GGUF, truncated, unknown type...
+        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from None
+    try:
+        meta = read_metadata(reader)
+        f = GGUFModelFile(reader)
+        cfg = config_from_metadata(meta, f)
+        model = build_model(cfg, f)
+        tokenizer = build_tokenizer(meta)
+        source = chat_templates(meta)
+        if source is None:
+            raise ValueError("no chat template in the metadata (tokenizer.chat_template)")
+        template = ChatTemplate(source, tokenizer.special_tokens)
+        eos = eog_ids(meta)
+    except (KeyError, ValueError, ChatTemplateError) as e:
+        raise ModelLoadError(f"cannot load {path}: {e}") from None
+    ctx = min(context_length or DEFAULT_CONTEXT, cfg.max_position_embeddings)
+    engine = Engine(model, tokenizer, eos, ctx, prefill_chunk)
+    return LoadedModel(name=os.path.splitext(os.path.basename(path))[0], path=path, config=cfg, model=model,
+                       tokenizer=tokenizer, chat_template=template, engine=engine,
+                       default_sampling=default_sampling(meta), context_length=ctx, eos_ids=eos)

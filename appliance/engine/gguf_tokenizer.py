@@ -1,0 +1,128 @@
+"""Tokenizer and chat template from a GGUF file's `tokenizer.*` metadata (llama.cpp's key names).
+
+Policies:
+- Only byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) are built: SmolLM2, Qwen2/2.5/3 and
+  Llama 3 all use it. SentencePiece (`llama`) and other models are refused with a clear error, never guessed.
+- Text is split before BPE the way the vocabulary was trained, chosen by `tokenizer.ggml.pre` (the same
+  names llama.cpp uses): `qwen2` (its regex, NFC first as Qwen's own tokenizer.json does), `llama-bpe`
+  (Llama 3's regex, digits in runs of up to three), `smollm` (every digit alone, then GPT-2's regex),
+  `gpt2`/`default` (GPT-2's regex). An unknown name is refused: a wrong split silently changes token ids.
+- Token types follow llama.cpp: CONTROL tokens (<|im_start|>, <|endoftext|>) are added special tokens,
+  skipped when decoding; USER_DEFINED ones (<think>, <tool_call>) are added tokens that decode as text.
+  Both are matched whole in input text, like transformers' added tokens.
+- End-of-generation ids: eos, eot and eom ids from the metadata, plus the CONTROL tokens llama.cpp itself
+  treats as end of generation by name (<|im_end|>, <|endoftext|>, <|eot_id|>, <|eom_id|>, ...): a chat
+  model whose GGUF names <|endoftext|> as eos still stops at <|im_end|>.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+
+from .tokenizer import Tokenizer
+
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+# token types (gguf.TokenType)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+EOG_NAMES = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
+             "<|end_of_text|>", "</s>")
+
+
+class GGUFTokenizerError(ValueError):
+    """The GGUF's tokenizer metadata describes a tokenizer we do not build."""
+
+
+def _split_then_bytes(regex: str) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def _gpt2() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _smollm() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+
+
+# tokenizer.ggml.pre -> (pre-tokenizer builder, NFC normalization)
+PRE_TOKENIZERS: dict[str, tuple[Callable[[], pre_tokenizers.PreTokenizer], bool]] = {
+    "qwen2": (lambda: _split_then_bytes(QWEN2_SPLIT), True),
+    "deepseek-r1-qwen": (lambda: _split_then_bytes(QWEN2_SPLIT), True),
+    "llama-bpe": (lambda: _split_then_bytes(LLAMA3_SPLIT), False),
+    "llama3": (lambda: _split_then_bytes(LLAMA3_SPLIT), False),
+    "smollm": (_smollm, False),
+    "gpt2": (_gpt2, False),
+    "gpt-2": (_gpt2, False),
+    "default": (_gpt2, False),
+}
+
+
+def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
+    """meta: the GGUF key/value pairs (decoded). Returns our Tokenizer over a `tokenizers` BPE model."""
+    model = meta.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise GGUFTokenizerError(f"tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2')")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise GGUFTokenizerError(f"pre-tokenizer {pre!r} is not supported (supported: {', '.join(sorted(PRE_TOKENIZERS))})")
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+    if len(types) != len(tokens):
+        raise GGUFTokenizerError(f"{len(tokens)} tokens but {len(types)} token types")
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)  # padding entries may repeat; the first id wins
+    tk = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    build_pre, nfc = PRE_TOKENIZERS[pre]
+    tk.pre_tokenizer = build_pre()
+    if nfc:
+        tk.normalizer = normalizers.NFC()
+    tk.decoder = decoders.ByteLevel()
+    added = [(i, AddedToken(tokens[i], special=(ty == CONTROL), normalized=False))
+             for i, ty in enumerate(types) if ty in (CONTROL, USER_DEFINED) and vocab.get(tokens[i]) == i]
+    tk.add_special_tokens([a for _, a in added if a.special])
+    tk.add_tokens([a for _, a in added if not a.special])
+    named = {}
+    for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
+        i = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if i is not None and 0 <= int(i) < len(tokens):
+            named[name] = tokens[int(i)]
+    return Tokenizer(tk, special_tokens=named, byte_level=True)
+
+
+def eog_ids(meta: dict[str, Any]) -> set[int]:
+    """Ids that end a generation (see the module policy)."""
+    tokens = meta["tokenizer.ggml.tokens"]
+    types = meta.get("tokenizer.ggml.token_type") or []
+    ids = {int(meta[f"tokenizer.ggml.{k}_token_id"]) for k in ("eos", "eot", "eom")
+           if meta.get(f"tokenizer.ggml.{k}_token_id") is not None}
+    for name in EOG_NAMES:
+        try:
+            i = tokens.index(name)
+        except ValueError:
+            continue
+        if i < len(types) and types[i] == CONTROL:
+            ids.add(i)
+    return ids
+
+
+def chat_templates(meta: dict[str, Any]) -> str | dict[str, str] | None:
+    """`tokenizer.chat_template` plus named ones (`tokenizer.chat_template.tool_use`): one string, or a
+    {name: template} dict when there are several (ChatTemplate picks `tool_use` / `default`)."""
+    named = {k.rsplit(".", 1)[1]: v for k, v in meta.items()
+             if k.startswith("tokenizer.chat_template.") and isinstance(v, str)}
+    main = meta.get("tokenizer.chat_template")
+    if not named:
+        return main
+    if main is not None:
+        named["default"] = main
+    return named

@@ -1,0 +1,186 @@
+"""llama.cpp as a peer (llama-cpp-python), in its own cached virtual environment.
+
+Policy: llama-cpp-python is built from its PyPI source distribution (no prebuilt wheels are reachable), which
+takes 6-10 minutes on a 2-core machine, so the venv is built once into $KESTREL_PEER_VENV (default
+~/.cache/kestrel-bench/llama-venv) under a file lock and reused by the benchmarks and the tests. It never
+enters the project's own environment: the peer runs as a child process (`python bench/peer.py serve` with
+the venv's interpreter, stdlib + llama_cpp only) that answers one JSON request per line on stdin.
+
+    with LlamaCppPeer("model.gguf", n_threads=2) as p:
+        p.tokenize("text"); p.greedy(prompt_ids, 8); p.logits(ids); p.bench(256, 128)
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+PACKAGE = "llama-cpp-python==0.3.36"
+CMAKE_ARGS = "-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
+
+
+def venv_dir() -> str:
+    return os.path.expanduser(os.environ.get("KESTREL_PEER_VENV", "~/.cache/kestrel-bench/llama-venv"))
+
+
+def peer_python() -> str:
+    return os.path.join(venv_dir(), "bin", "python")
+
+
+def peer_ready() -> bool:
+    py = peer_python()
+    return os.path.exists(py) and subprocess.run([py, "-c", "import llama_cpp"], capture_output=True).returncode == 0
+
+
+def ensure_peer(log=sys.stderr) -> str:
+    """The peer venv's python, building the venv first if needed (once, under a lock)."""
+    import fcntl
+
+    if peer_ready():
+        return peer_python()
+    os.makedirs(os.path.dirname(venv_dir()), exist_ok=True)
+    with open(venv_dir() + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if peer_ready():  # someone else built it while we waited
+            return peer_python()
+        print(f"peer: building {PACKAGE} into {venv_dir()} (6-10 minutes, once)", file=log, flush=True)
+        t0 = time.time()
+        subprocess.run([sys.executable, "-m", "venv", "--clear", venv_dir()], check=True)
+        env = dict(os.environ, CMAKE_ARGS=CMAKE_ARGS, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
+        with open(venv_dir() + ".build.log", "w") as out:
+            r = subprocess.run([peer_python(), "-m", "pip", "install", "--no-cache-dir", PACKAGE],
+                               env=env, stdout=out, stderr=subprocess.STDOUT)
+        if r.returncode != 0 or not peer_ready():
+            raise RuntimeError(f"building {PACKAGE} failed; see {venv_dir()}.build.log")
+        print(f"peer: built in {time.time() - t0:.0f} s", file=log, flush=True)
+    return peer_python()
+
+
+class LlamaCppPeer:
+    """One llama.cpp model in a child process of the peer venv."""
+
+    def __init__(self, model_path: str, n_threads: int = 2, n_ctx: int = 1024):
+        self.proc = subprocess.Popen([ensure_peer(), os.path.abspath(__file__), "serve"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, bufsize=1)
+        self.info = self._call(op="load", path=os.path.abspath(model_path), n_threads=n_threads, n_ctx=n_ctx)
+
+    def _call(self, **req):
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"llama.cpp peer exited (status {self.proc.wait()}) on {req['op']}")
+        resp = json.loads(line)
+        if "error" in resp:
+            raise RuntimeError(f"llama.cpp peer: {resp['error']}")
+        return resp["result"]
+
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
+        return self._call(op="tokenize", text=text, special=special)
+
+    def greedy(self, prompt: list[int], n: int) -> list[int]:
+        """n greedy tokens after prompt (argmax of llama.cpp's logits, no sampler chain)."""
+        return self._call(op="greedy", tokens=prompt, n=n)
+
+    def logits(self, tokens: list[int]) -> list[list[float]]:
+        """Logits (T, vocab) at every position of tokens."""
+        return self._call(op="logits", tokens=tokens)
+
+    def bench(self, prompt_len: int, decode: int, runs: int = 3) -> dict:
+        """Median prefill and decode tok/s over runs (after one warm-up)."""
+        return self._call(op="bench", prompt_len=prompt_len, decode=decode, runs=runs)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# -- the child side: runs in the peer venv, imports only the stdlib and llama_cpp ---------------------------------
+def _serve() -> None:
+    import statistics
+
+    import llama_cpp
+    import numpy as np
+
+    llm = None
+
+    def last_logits():  # the logits of the last evaluated token, read straight from the context
+        ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))
+
+    def argmax_last():
+        return int(np.argmax(last_logits()))
+
+    def handle(req):
+        nonlocal llm
+        op = req["op"]
+        if op == "load":
+            llm = llama_cpp.Llama(req["path"], n_ctx=req["n_ctx"], n_threads=req["n_threads"],
+                                  n_threads_batch=req["n_threads"], n_batch=512, logits_all=False, verbose=False)
+            return {"version": llama_cpp.__version__, "n_vocab": llm.n_vocab()}
+        if op == "tokenize":
+            return llm.tokenize(req["text"].encode("utf-8"), add_bos=False, special=req["special"])
+        if op == "greedy":
+            llm.reset()
+            llm.eval(req["tokens"])
+            out = []
+            for _ in range(req["n"]):
+                out.append(argmax_last())
+                llm.eval([out[-1]])
+            return out
+        if op == "logits":
+            rows = []
+            llm.reset()
+            for t in req["tokens"]:  # one token at a time: logits_all is off, the last row is kept
+                llm.eval([t])
+                rows.append(last_logits().astype(np.float32).tolist())
+            return rows
+        if op == "bench":
+            rng = np.random.default_rng(0)
+            prompt = [int(t) for t in rng.integers(100, min(llm.n_vocab(), 30000), req["prompt_len"])]
+            prefill, decode = [], []
+            for run in range(req["runs"] + 1):  # run 0 warms up (pages the weights in)
+                llm.reset()
+                t0 = time.perf_counter()
+                llm.eval(prompt)
+                t1 = time.perf_counter()
+                tok = argmax_last()
+                t2 = time.perf_counter()
+                for _ in range(req["decode"]):
+                    llm.eval([tok])
+                    tok = argmax_last()
+                t3 = time.perf_counter()
+                if run:
+                    prefill.append(req["prompt_len"] / (t1 - t0))
+                    decode.append(req["decode"] / (t3 - t2))
+            return {"prefill_tok_s": statistics.median(prefill), "decode_tok_s": statistics.median(decode),
+                    "prefill_runs": prefill, "decode_runs": decode}
+        raise ValueError(f"unknown op {op!r}")
+
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            resp = {"result": handle(req)}
+        except Exception as e:  # report to the parent instead of dying
+            resp = {"error": f"{type(e).__name__}: {e}"}
+        sys.stdout.write(json.dumps(resp) + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["serve"]:
+        _serve()
+    elif sys.argv[1:] == ["build"]:
+        print(ensure_peer())
+    else:
+        print("usage: python bench/peer.py build | serve", file=sys.stderr)
+        sys.exit(2)
