@@ -59,6 +59,22 @@ def test_quantized_matmul_is_bit_exact(qtype, level):
 
 
 @pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("qtype", twins.X8_TYPES, ids=lambda t: t.name)
+def test_x8_layout_matmul_is_bit_exact(qtype, level):
+    kernels.set_simd_level(level)
+    rng = np.random.default_rng(70 + 10 * level + int(qtype))
+    for rows, nb, T in [(1, 1, 1), (7, 3, 1), (9, 2, 5), (37, 4, 13), (16, 1, 4)]:
+        n = 32 * nb
+        w = random_weight(qtype, rows, n, rng)
+        w8 = kernels.repack_x8(qtype, w)
+        np.testing.assert_array_equal(w8, twins.repack_x8(qtype, w))
+        np.testing.assert_array_equal(twins.unpack_x8(qtype, w8, rows), w)
+        x = _x(rng, T, n, scale=rng.uniform(0.01, 30))
+        np.testing.assert_array_equal(kernels.matmul_x8(qtype, w8, rows, x), twins.matmul(qtype, w, x),
+                                      err_msg=f"{qtype.name} rows={rows} n={n} T={T}")
+
+
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("qtype", FLOAT, ids=lambda t: t.name)
 def test_float_matmul_matches_twin(qtype, level):
     kernels.set_simd_level(level)

@@ -64,3 +64,17 @@ def test_half_weight_serves_bf16_bits_in_place():
     wf = (bits.astype(np.uint32) << 16).view(np.float32)
     x = rng.standard_normal((2, 64)).astype(np.float32)
     np.testing.assert_allclose(w(x), x @ wf.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs the native library (built by the package install)")
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_0, QType.Q4_1], ids=lambda t: t.name)
+def test_products_use_the_x8_layout_lookups_do_not(qtype):
+    rng = np.random.default_rng(5)
+    raw = random_weight(qtype, 13, 64, rng)
+    w = QuantWeight(qtype, (13, 64), raw)
+    w.rows(np.array([1, 2]))
+    assert w._x8 is None  # an embedding table that is only looked up is never rearranged
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    y = w(x)
+    assert w._x8 is not None and w._x8.nbytes == 16 * raw.shape[1]  # 2 groups of 8 rows, same bytes per row
+    np.testing.assert_array_equal(y, kernels.matmul(qtype, raw, x))  # same arithmetic as the file's layout

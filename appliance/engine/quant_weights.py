@@ -6,14 +6,20 @@ Policy: the block data stays the memory-mapped bytes of the file; it is never ex
 With the native library, products run in C (activations rounded to 8-bit blocks for the quantized types,
 as llama.cpp does); without it, the numpy path dequantizes a bounded slab of rows at a time and multiplies
 in float32, so memory stays bounded and results stay close to the float reference.
+Q8_0/Q4_0/Q4_1 matrices are rearranged once, at their first product, into the row-interleaved x8 layout
+(same size, still quantized; ~1.5x faster decode, 2x prefill); embedding tables that are only looked up
+are never rearranged. KESTREL_REPACK=0 keeps every product on the file's own layout.
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
 from appliance.native import kernels
 from appliance.native.dequant_numpy import dequantize, get_rows
 from appliance.native.qtypes import QType, qtype_of, row_bytes
+from appliance.native.twins import X8_TYPES
 
 _SLAB_ELEMS = 1 << 22  # numpy path: dequantize at most this many weights (16 MB of float32) at a time
 
@@ -35,7 +41,8 @@ class QuantWeight:
         self.raw = raw.reshape(-1).view(np.uint8).reshape(out, rb)  # (out, row_bytes), zero-copy
         self.nbytes = self.raw.nbytes
         self.native = kernels.available() if native is None else (native and kernels.available())
-        self._native_matmul = kernels.bound_matmul(self.qtype, self.raw) if self.native else None
+        self._native_matmul = None
+        self._x8: np.ndarray | None = None
 
     def __repr__(self) -> str:
         return f"QuantWeight({self.qtype.name}, {self.shape}, native={self.native})"
@@ -44,7 +51,9 @@ class QuantWeight:
         x = np.ascontiguousarray(x, dtype=np.float32)  # (T, in)
         if x.ndim != 2 or x.shape[1] != self.shape[1]:
             raise ValueError(f"input of shape {x.shape} does not fit a weight of shape {self.shape}")
-        if self._native_matmul is not None:
+        if self.native:
+            if self._native_matmul is None:
+                self._native_matmul = kernels.bound_matmul(self.qtype, self.raw, self.x8())
             return self._native_matmul(x) if x.shape[0] else np.empty((0, self.shape[0]), np.float32)
         if self.qtype == QType.F32:
             return x @ self.raw.view(np.float32).T
@@ -53,6 +62,13 @@ class QuantWeight:
         for r in range(0, self.shape[0], step):
             out[:, r:r + step] = x @ dequantize(self.qtype, self.raw[r:r + step]).T
         return out
+
+    def x8(self) -> np.ndarray | None:
+        """The x8 layout of this matrix for the native kernels (made on first use), or None when its type
+        has none, the library is missing or KESTREL_REPACK=0."""
+        if self._x8 is None and self.native and self.qtype in X8_TYPES and os.environ.get("KESTREL_REPACK") != "0":
+            self._x8 = kernels.repack_x8(self.qtype, self.raw)
+        return self._x8
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)

@@ -35,11 +35,15 @@ class _Model(ctypes.Structure):
                 ("inter", _I64), ("eps", ctypes.c_float), ("pad", ctypes.c_int32), ("layers", _P)]
 
 
-def native_linear(w) -> tuple[QType, np.ndarray] | None:
-    """(qtype, (rows, row_bytes)-or-(rows, n) array) for a weight the C kernels read in place, else None."""
+def native_linear(w) -> tuple[int, np.ndarray] | None:
+    """(qtype, data) for a weight the C kernels read: (rows, row_bytes) blocks, (rows, n) floats, or the x8
+    layout (qtype | kernels.X8); None if the C side cannot serve it."""
     from appliance.engine.quant_weights import QuantWeight
     if isinstance(w, QuantWeight):
-        return (w.qtype, w.raw) if w.native else None
+        if not w.native:
+            return None
+        x8 = w.x8()
+        return (int(w.qtype) | kernels.X8, x8) if x8 is not None else (w.qtype, w.raw)
     arr = getattr(w, "w", None)  # weights.DenseWeight
     if isinstance(arr, np.ndarray) and arr.dtype == np.float32 and arr.ndim == 2 and arr.flags.c_contiguous:
         return QType.F32, arr

@@ -35,6 +35,7 @@ _SIGNATURES = {
     "kq_dequantize": (_I, [_I, _P, _I64, _I64, _P]),
     "kq_get_rows": (_I, [_I, _P, _I64, _P, _I64, _P]),
     "kq_matmul": (_I, [_I, _P, _I64, _I64, _P, _I64, _P]),
+    "kq_repack_x8": (_I, [_I, _P, _I64, _I64, _P]),
     "kq_rms_norm": (None, [_P, _P, _I64, _I64, ctypes.c_float, _P]),
     "kq_rope": (None, [_P, _I64, _I64, _I64, _P, _P]),
     "kq_swiglu": (None, [_P, _P, _I64, _P]),
@@ -179,6 +180,32 @@ def matmul(qtype, w: np.ndarray, x: np.ndarray) -> np.ndarray:
     return out
 
 
+X8 = 0x100  # qtype flag of the x8 layout (src/repack.c)
+
+
+def repack_x8(qtype, w: np.ndarray) -> np.ndarray:
+    """Rows of a Q8_0/Q4_0/Q4_1 tensor -> the x8 layout the fastest kernels read (twins.repack_x8)."""
+    qtype = QType(int(qtype))
+    w, n = _rows(qtype, w)
+    if qtype not in (QType.Q8_0, QType.Q4_0, QType.Q4_1):
+        raise ValueError(f"{qtype.name} has no x8 layout")
+    out = np.empty(((w.shape[0] + 7) // 8, w.shape[1] * 8), np.uint8)
+    _lib.kq_repack_x8(int(qtype), _ptr(w), w.shape[0], n, _ptr(out))
+    return out
+
+
+def matmul_x8(qtype, w8: np.ndarray, rows: int, x: np.ndarray) -> np.ndarray:
+    qtype = QType(int(qtype))
+    x = _f32(x)
+    n = x.shape[1]
+    if w8.shape != ((rows + 7) // 8, row_bytes(qtype, n) * 8) or not w8.flags.c_contiguous:
+        raise ValueError("x8 weights do not match rows and input width")
+    out = np.empty((x.shape[0], rows), np.float32)
+    if x.shape[0] and rows:
+        _lib.kq_matmul(int(qtype) | X8, _ptr(w8), rows, n, _ptr(x), x.shape[0], _ptr(out))
+    return out
+
+
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     x = _f32(x)
     w = np.ascontiguousarray(w, dtype=np.float32)
@@ -213,12 +240,15 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, S: int) -
     return out
 
 
-def bound_matmul(qtype, w: np.ndarray):
+def bound_matmul(qtype, w: np.ndarray, x8: np.ndarray | None = None):
     """matmul with the weight fixed: returns f(x) for contiguous float32 x (T, n) -> (T, rows), with the
-    per-call argument checks done once (decode calls this a few hundred times per token)."""
+    per-call argument checks done once (decode calls this a few hundred times per token). With x8 (the
+    repack_x8 of w) the x8 kernels run."""
     qtype = QType(int(qtype))
     w, n = _rows(qtype, w)
     rows, wp, q, f = w.shape[0], w.ctypes.data, int(qtype), _lib.kq_matmul
+    if x8 is not None:
+        w, wp, q = x8, x8.ctypes.data, int(qtype) | X8
 
     def call(x: np.ndarray, _keep=w) -> np.ndarray:
         out = np.empty((x.shape[0], rows), np.float32)

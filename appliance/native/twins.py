@@ -98,3 +98,48 @@ def matmul(qtype, w: np.ndarray, x: np.ndarray) -> np.ndarray:
         dd = _f16(b[..., 208:210])[None] * ad
         return _sequential_sum(dd * isum.astype(np.float32))
     raise ValueError(qtype)  # pragma: no cover
+
+
+X8_TYPES = (QType.Q8_0, QType.Q4_0, QType.Q4_1)
+
+
+def repack_x8(qtype, w: np.ndarray) -> np.ndarray:
+    """Rows (R, row_bytes) of a 32-element format -> the x8 layout (ceil(R/8), row_bytes*8) (see src/repack.c):
+    per group of 8 rows and per block, the 8 scales (then the 8 mins for Q4_1), then the quants in 4-byte
+    slices, slice k holding bytes 4k..4k+3 of rows 0..7. Missing rows of the last group are zero blocks."""
+    qtype = QType(int(qtype))
+    b = _blocks(w, qtype)  # (R, nb, block bytes)
+    R, nb, bpb = b.shape
+    G = -(-R // 8)
+    b = np.concatenate([b, np.zeros((G * 8 - R, nb, bpb), np.uint8)]).reshape(G, 8, nb, bpb).transpose(0, 2, 1, 3)
+    head = 4 if qtype == QType.Q4_1 else 2
+    parts = [b[..., 0:2].reshape(G, nb, 16)]  # (G, nb, 8 scales)
+    if head == 4:
+        parts.append(b[..., 2:4].reshape(G, nb, 16))
+    qs = b[..., head:]  # (G, nb, 8, qbytes)
+    q = qs.shape[-1]
+    parts.append(qs.reshape(G, nb, 8, q // 4, 4).transpose(0, 1, 3, 2, 4).reshape(G, nb, 8 * q))
+    return np.ascontiguousarray(np.concatenate(parts, axis=-1).reshape(G, -1))
+
+
+def unpack_x8(qtype, w8: np.ndarray, rows: int) -> np.ndarray:
+    """Inverse of repack_x8: back to (rows, row_bytes)."""
+    qtype = QType(int(qtype))
+    head = 4 if qtype == QType.Q4_1 else 2
+    q = 32 if qtype == QType.Q8_0 else 16
+    G = w8.shape[0]
+    o = w8.reshape(G, -1, 8 * (head + q))  # (G, nb, 8 blocks' bytes)
+    nb = o.shape[1]
+    d = o[..., 0:16].reshape(G, nb, 8, 2)
+    parts = [d]
+    if head == 4:
+        parts.append(o[..., 16:32].reshape(G, nb, 8, 2))
+    qs = o[..., 8 * head:].reshape(G, nb, q // 4, 8, 4).transpose(0, 1, 3, 2, 4).reshape(G, nb, 8, q)
+    parts.append(qs)
+    blocks = np.concatenate(parts, axis=-1).transpose(0, 2, 1, 3).reshape(G * 8, -1)  # (G*8, row_bytes)
+    return blocks[:rows]
+
+
+def matmul_x8(qtype, w8: np.ndarray, rows: int, x: np.ndarray) -> np.ndarray:
+    """out (T, rows) = x @ W.T with W in the x8 layout: the same arithmetic as matmul on the row layout."""
+    return matmul(qtype, unpack_x8(qtype, w8, rows), x)

@@ -15,7 +15,7 @@ from appliance.native.qtypes import QType
 from appliance.native.twins import ACT32, ACT256
 
 OP_MATMUL, OP_Q8_32, OP_Q8_K, OP_DEQUANT, OP_GET_ROWS, OP_SET_SIMD, OP_SIMD_MAX, OP_SET_THREADS, \
-    OP_GET_THREADS, OP_SIMD_NAME = range(1, 11)
+    OP_GET_THREADS, OP_SIMD_NAME, OP_REPACK_X8 = range(1, 12)
 
 
 class DriverKernels:
@@ -94,6 +94,25 @@ class DriverKernels:
         raw = self._call(OP_MATMUL, int(qtype), w.shape[0], n, x.shape[0], w.nbytes,
                          payload=w.tobytes() + x.tobytes())
         return np.frombuffer(raw, np.float32).reshape(x.shape[0], w.shape[0])
+
+
+def _repack_x8(self, qtype, w):
+    qtype = QType(int(qtype))
+    w, n = kernels._rows(qtype, w)
+    raw = self._call(OP_REPACK_X8, int(qtype), w.shape[0], n, w.nbytes, payload=w.tobytes())
+    return np.frombuffer(raw, np.uint8).reshape((w.shape[0] + 7) // 8, -1)
+
+
+def _matmul_x8(self, qtype, w8, rows, x):
+    qtype = QType(int(qtype))
+    x = kernels._f32(x)
+    raw = self._call(OP_MATMUL, int(qtype) | kernels.X8, rows, x.shape[1], x.shape[0], w8.nbytes,
+                     payload=np.ascontiguousarray(w8).tobytes() + x.tobytes())
+    return np.frombuffer(raw, np.float32).reshape(x.shape[0], rows)
+
+
+DriverKernels.repack_x8 = _repack_x8
+DriverKernels.matmul_x8 = _matmul_x8
 
 
 def kernels_under_test():

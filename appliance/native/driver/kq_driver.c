@@ -14,7 +14,7 @@ static void reply(const void *p, int64_t n) { fwrite(&n, 8, 1, stdout); fwrite(p
 static void reply_int(int64_t v) { reply(&v, 8); }
 
 enum { OP_MATMUL = 1, OP_Q8_32, OP_Q8_K, OP_DEQUANT, OP_GET_ROWS, OP_SET_SIMD, OP_SIMD_MAX, OP_SET_THREADS,
-       OP_GET_THREADS, OP_SIMD_NAME };
+       OP_GET_THREADS, OP_SIMD_NAME, OP_REPACK_X8 };
 
 int main(void) {
     for (;;) {
@@ -47,6 +47,16 @@ int main(void) {
             if (op == OP_DEQUANT) kq_dequantize((int)qt, w, rows, n, out); else kq_get_rows((int)qt, w, n, ids, T, out);
             reply(out, T * n * 4);
             free(w); free(ids); free(out);
+            break;
+        }
+        case OP_REPACK_X8: {
+            int64_t qt = rd64(), rows = rd64(), n = rd64(), wb = rd64();
+            uint8_t *w = rdbuf((size_t)wb);
+            int64_t ob = ((rows + 7) / 8) * (int64_t)kq_row_bytes((int)qt, n) * 8;
+            uint8_t *out = malloc((size_t)ob + 1);
+            kq_repack_x8((int)qt, w, rows, n, out);
+            reply(out, ob);
+            free(w); free(out);
             break;
         }
         case OP_SET_SIMD: reply_int(kq_set_simd_level((int)rd64())); break;

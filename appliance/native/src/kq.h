@@ -72,7 +72,15 @@ void kq_q4k_scales(const uint8_t *q, int32_t sc[8], int32_t m[8]);
  * w points at row 0; act is the quantized (or float) activation matrix. */
 typedef void (*kq_tile_fn)(const uint8_t *w, size_t rb, int64_t r0, int nr, int64_t nb,
                            const void *act, int64_t t0, int64_t t1, float *out, int64_t ldo);
-typedef struct { kq_tile_fn q8_0, q4_0, q4_1, q4_K, q6_K, f32, f16, bf16; } kq_kernels;
+/* x8 layout (repack.c): one group of 8 interleaved rows (r0.., nr <= 8 real) against all T columns */
+typedef void (*kq_x8_fn)(int qtype, const uint8_t *grp, int64_t nb, const kq_act32 *act, int64_t T, float *out,
+                         int64_t ldo, int64_t r0, int nr);
+typedef struct { kq_tile_fn q8_0, q4_0, q4_1, q4_K, q6_K, f32, f16, bf16; kq_x8_fn x8; } kq_kernels;
+#define KQ_X8 0x100 /* qtype flag: weights in the x8 layout */
+int kq_x8_block_bytes(int qtype);
+int kq_repack_x8(int qtype, const uint8_t *w, int64_t rows, int64_t n, uint8_t *out);
+void kq_x8_group_scalar(int qtype, const uint8_t *grp, int64_t nb, const kq_act32 *act, int64_t T,
+                        float *out, int64_t ldo, int64_t r0, int nr);
 void kq_kernels_scalar(kq_kernels *k);
 #if defined(__x86_64__)
 void kq_kernels_avx2(kq_kernels *k);

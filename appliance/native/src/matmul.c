@@ -175,6 +175,7 @@ void kq_kernels_scalar(kq_kernels *k) {
     k->q8_0 = q8_0_scalar; k->q4_0 = q4_0_scalar; k->q4_1 = q4_1_scalar;
     k->q4_K = q4_K_scalar; k->q6_K = q6_K_scalar;
     k->f32 = f32_scalar; k->f16 = f16_scalar; k->bf16 = bf16_scalar;
+    k->x8 = kq_x8_group_scalar;
 }
 
 /* ---------------- dispatch ---------------- */
@@ -251,7 +252,10 @@ typedef struct {
 } mm_ctx;
 
 #ifndef PF_TILES
-#define PF_TILES 2
+#define PF_TILES 4
+#endif
+#ifndef PF_HINT
+#define PF_HINT 3
 #endif
 static void mm_task(void *c_, int64_t a, int64_t b) { /* row tiles a .. b-1 */
     const mm_ctx *c = c_;
@@ -262,7 +266,7 @@ static void mm_task(void *c_, int64_t a, int64_t b) { /* row tiles a .. b-1 */
         if (i + PF_TILES < b) {
             const uint8_t *p = c->w + (size_t)(r0 + 4 * PF_TILES) * c->rb;
             const uint8_t *e = c->w + (size_t)(r0 + 4 * PF_TILES + 4 < c->rows ? r0 + 4 * PF_TILES + 4 : c->rows) * c->rb;
-            for (; p < e; p += 64) __builtin_prefetch(p, 0, 2);
+            for (; p < e; p += 64) __builtin_prefetch(p, 0, PF_HINT);
         }
         c->fn(c->w, c->rb, r0, nr, c->nb, c->act, 0, c->T, c->out, c->rows);
     }
@@ -282,8 +286,48 @@ static void quantize_act(const float *x, int64_t T, int64_t n, void *out, int k)
     else kq_parallel_for(T, kq_chunk_for(T), aq_task, &c);
 }
 
+typedef struct {
+    int qtype;
+    const uint8_t *w;
+    size_t gbytes;
+    int64_t rows, nb, T;
+    const kq_act32 *act;
+    float *out;
+} x8_ctx;
+
+static void x8_task(void *c_, int64_t a, int64_t b) { /* row groups a .. b-1 */
+    const x8_ctx *c = c_;
+    for (int64_t g = a; g < b; g++) {
+        if (g + 1 < b) {
+            const uint8_t *p = c->w + (size_t)(g + 1) * c->gbytes, *e = p + c->gbytes;
+            for (; p < e; p += 64) __builtin_prefetch(p, 0, PF_HINT);
+        }
+        int64_t r0 = 8 * g;
+        int nr = c->rows - r0 < 8 ? (int)(c->rows - r0) : 8;
+        K.x8(c->qtype, c->w + (size_t)g * c->gbytes, c->nb, c->act, c->T, c->out, c->rows, r0, nr);
+    }
+}
+
+static void quantize_act(const float *x, int64_t T, int64_t n, void *out, int k);
+
+static int matmul_x8(int qtype, const uint8_t *w, int64_t rows, int64_t n, const float *x, int64_t T, float *out) {
+    int bb = kq_x8_block_bytes(qtype);
+    if (!bb || n % 32 || rows <= 0 || T <= 0) return -1;
+    x8_ctx c = {.qtype = qtype, .w = w, .rows = rows, .nb = n / 32, .T = T, .out = out};
+    c.gbytes = (size_t)c.nb * bb;
+    kq_act32 *scratch = malloc((size_t)(T * c.nb) * sizeof(kq_act32));
+    if (!scratch) return -2;
+    quantize_act(x, T, n, scratch, 0);
+    c.act = scratch;
+    int64_t groups = (rows + 7) / 8;
+    kq_parallel_for(groups, kq_chunk_for(groups), x8_task, &c);
+    free(scratch);
+    return 0;
+}
+
 int kq_matmul(int qtype, const uint8_t *w, int64_t rows, int64_t n, const float *x, int64_t T, float *out) {
     detect();
+    if (qtype & KQ_X8) return matmul_x8(qtype & ~KQ_X8, w, rows, n, x, T, out);
     size_t rb = kq_row_bytes(qtype, n);
     if (!rb || rows <= 0 || T <= 0) return -1;
     mm_ctx c = {.w = w, .rb = rb, .rows = rows, .T = T, .out = out, .act = x, .nb = n};

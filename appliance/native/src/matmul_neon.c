@@ -4,15 +4,20 @@
 #include <arm_neon.h>
 #include "kq.h"
 
+/* sdot's lane structure without the extension: lane i gets the products of bytes 4i..4i+3 (the x8 kernels
+ * rely on it). Two products fit int16 (|a|, |b| <= 128, one side <= 127). */
 static inline int32x4_t dot16_mull(int32x4_t acc, int8x16_t a, int8x16_t b) {
     int16x8_t p0 = vmull_s8(vget_low_s8(a), vget_low_s8(b));
     int16x8_t p1 = vmull_high_s8(a, b);
-    return vpadalq_s16(vpadalq_s16(acc, p0), p1);
+    return vpadalq_s16(acc, vpaddq_s16(p0, p1));
 }
 
 #define SFX(n) n##_neon
 #define DOT16(acc, a, b) dot16_mull((acc), (a), (b))
 #include "matmul_neon.inc"
+#define NC 4
+#include "matmul_x8_neon.inc"
+#undef NC
 #undef SFX
 #undef DOT16
 
@@ -21,6 +26,9 @@ static inline int32x4_t dot16_mull(int32x4_t acc, int8x16_t a, int8x16_t b) {
 #define SFX(n) n##_neondot
 #define DOT16(acc, a, b) vdotq_s32((acc), (a), (b))
 #include "matmul_neon.inc"
+#define NC 4
+#include "matmul_x8_neon.inc"
+#undef NC
 #undef SFX
 #undef DOT16
 #pragma GCC pop_options

@@ -11,6 +11,9 @@
 #define DOT(acc, u, s) _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1)))
 #define DOTS(acc, u, s, s16, s32) _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), (s16)))
 #include "matmul_x86.inc"
+#define NC 4
+#include "matmul_x8_x86.inc"
+#undef NC
 #undef SFX
 #undef DOT
 #undef DOTS
@@ -24,6 +27,9 @@
 #define DOT(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
 #define DOTS(acc, u, s, s16, s32) _mm256_add_epi32((acc), _mm256_mullo_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (s)), (s32)))
 #include "matmul_x86.inc"
+#define NC 4
+#include "matmul_x8_x86.inc"
+#undef NC
 #undef SFX
 #undef DOT
 #undef DOTS

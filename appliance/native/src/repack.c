@@ -1,0 +1,68 @@
+/* Row-interleaved ("x8") layout of the 32-element formats, made once at load for the native kernels.
+ * Rows are taken 8 at a time (the last group padded with zero blocks); for each block index the group
+ * stores its 8 fp16 scales (then, for Q4_1, its 8 fp16 mins) and then its quants in 4-byte slices:
+ * slice k holds bytes 4k..4k+3 of rows 0..7, so one 32-byte load feeds one 8-lane integer dot whose
+ * lane r sums row r: block sums come out per row with no horizontal reduction. Same bytes per block. */
+#include <string.h>
+#include "kq.h"
+
+int kq_x8_block_bytes(int qtype) {
+    switch (qtype) {
+    case KQ_Q8_0: return 8 * (int)sizeof(blk_q8_0);
+    case KQ_Q4_0: return 8 * (int)sizeof(blk_q4_0);
+    case KQ_Q4_1: return 8 * (int)sizeof(blk_q4_1);
+    default: return 0;
+    }
+}
+
+int kq_repack_x8(int qtype, const uint8_t *w, int64_t rows, int64_t n, uint8_t *out) {
+    int bb = kq_x8_block_bytes(qtype);
+    size_t rb = kq_row_bytes(qtype, n);
+    if (!bb || !rb || n % 32) return -1;
+    int64_t nb = n / 32, groups = (rows + 7) / 8;
+    int head = qtype == KQ_Q4_1 ? 4 : 2, qbytes = qtype == KQ_Q8_0 ? 32 : 16;
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *o = out + ((size_t)g * nb + b) * bb;
+            memset(o, 0, bb);
+            for (int r = 0; r < 8; r++) {
+                int64_t row = 8 * g + r;
+                if (row >= rows) continue;
+                const uint8_t *B = w + row * rb + b * (head + qbytes);
+                memcpy(o + 2 * r, B, 2);                          /* d */
+                if (head == 4) memcpy(o + 16 + 2 * r, B + 2, 2);  /* m */
+                const uint8_t *qs = B + head;
+                uint8_t *oq = o + 8 * head;
+                for (int k = 0; k < qbytes / 4; k++) memcpy(oq + 32 * k + 4 * r, qs + 4 * k, 4);
+            }
+        }
+    return 0;
+}
+
+/* scalar reference on the x8 layout: the same per-row arithmetic as the row-layout scalar kernels */
+void kq_x8_group_scalar(int qtype, const uint8_t *grp, int64_t nb, const kq_act32 *act, int64_t T,
+                        float *out, int64_t ldo, int64_t r0, int nr) {
+    int bb = kq_x8_block_bytes(qtype), head = qtype == KQ_Q4_1 ? 4 : 2;
+    for (int r = 0; r < nr; r++)
+        for (int64_t t = 0; t < T; t++) {
+            const kq_act32 *A = act + t * nb;
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *o = grp + b * bb, *oq = o + 8 * head;
+                int32_t s = 0;
+                if (qtype == KQ_Q8_0) {
+                    for (int k = 0; k < 32; k++) s += (int32_t)(int8_t)oq[32 * (k / 4) + 4 * r + k % 4] * A[b].q[k];
+                } else {
+                    for (int j = 0; j < 16; j++) {
+                        uint8_t v = oq[32 * (j / 4) + 4 * r + j % 4];
+                        s += (int32_t)(v & 0xF) * A[b].q[j] + (int32_t)(v >> 4) * A[b].q[j + 16];
+                    }
+                    if (qtype == KQ_Q4_0) s -= 8 * A[b].sum;
+                }
+                float dd = kq_fp16_to_fp32(kq_ld16(o + 2 * r)) * A[b].d;
+                acc = acc + dd * (float)s;
+                if (qtype == KQ_Q4_1) acc = acc + kq_fp16_to_fp32(kq_ld16(o + 16 + 2 * r)) * (A[b].d * (float)A[b].sum);
+            }
+            out[t * ldo + r0 + r] = acc;
+        }
+}
