@@ -254,6 +254,12 @@ typedef struct {
 #ifndef PF_TILES
 #define PF_TILES 4
 #endif
+#ifndef X8_PF
+#define X8_PF 0 /* one contiguous stream: the hardware prefetcher does better alone (measured) */
+#endif
+#ifndef X8_PF_HINT
+#define X8_PF_HINT 3
+#endif
 #ifndef PF_HINT
 #define PF_HINT 3
 #endif
@@ -298,10 +304,12 @@ typedef struct {
 static void x8_task(void *c_, int64_t a, int64_t b) { /* row groups a .. b-1 */
     const x8_ctx *c = c_;
     for (int64_t g = a; g < b; g++) {
-        if (g + 1 < b) {
-            const uint8_t *p = c->w + (size_t)(g + 1) * c->gbytes, *e = p + c->gbytes;
-            for (; p < e; p += 64) __builtin_prefetch(p, 0, PF_HINT);
+#if X8_PF
+        if (g + X8_PF < b) {
+            const uint8_t *p = c->w + (size_t)(g + X8_PF) * c->gbytes, *e = p + c->gbytes;
+            for (; p < e; p += 64) __builtin_prefetch(p, 0, X8_PF_HINT);
         }
+#endif
         int64_t r0 = 8 * g;
         int nr = c->rows - r0 < 8 ? (int)(c->rows - r0) : 8;
         K.x8(c->qtype, c->w + (size_t)g * c->gbytes, c->nb, c->act, c->T, c->out, c->rows, r0, nr);
