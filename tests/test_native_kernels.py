@@ -87,7 +87,9 @@ def test_float_matmul_matches_twin(qtype, level):
         assert np.all(np.abs(got - want) <= bound), (qtype.name, rows, n, T)
 
 
-def test_activation_quantizers_are_bit_exact():
+@pytest.mark.parametrize("level", LEVELS)
+def test_activation_quantizers_are_bit_exact(level):
+    kernels.set_simd_level(level)
     rng = np.random.default_rng(3)
     for T, n in [(1, 256), (4, 512)]:
         x = _x(rng, T, n, scale=5.0)
@@ -96,7 +98,9 @@ def test_activation_quantizers_are_bit_exact():
         assert kernels.quantize_q8_K(x).tobytes() == twins.quantize_q8_K(x).tobytes()
 
 
-def test_activation_rounding_is_half_to_even():
+@pytest.mark.parametrize("level", LEVELS)
+def test_activation_rounding_is_half_to_even(level):
+    kernels.set_simd_level(level)
     # a block whose scale is exactly 1 (amax 127): values k + 0.5 land on ties
     x = np.zeros((1, 32), np.float32)
     x[0, 0] = 127.0

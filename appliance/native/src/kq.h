@@ -62,6 +62,7 @@ int kq_forward(const kq_model *m, float *const *k_cache, float *const *v_cache, 
 typedef void (*kq_range_fn)(void *ctx, int64_t start, int64_t end);
 void kq_parallel_for(int64_t n, int64_t chunk, kq_range_fn fn, void *ctx); /* fn over [0, n) in chunks */
 int64_t kq_chunk_for(int64_t n);
+void *kq_scratch(int slot, size_t bytes); /* per-thread buffers kept between calls (slot < 4) */
 void kq_f32_dots(const float *rows, int64_t nrows, int64_t n, const float *x, float *out); /* out = rows @ x, this thread */
 size_t kq_row_bytes(int qtype, int64_t n);
 float kq_fp16_to_fp32(uint16_t h);
@@ -75,7 +76,9 @@ typedef void (*kq_tile_fn)(const uint8_t *w, size_t rb, int64_t r0, int nr, int6
 /* x8 layout (repack.c): one group of 8 interleaved rows (r0.., nr <= 8 real) against all T columns */
 typedef void (*kq_x8_fn)(int qtype, const uint8_t *grp, int64_t nb, const kq_act32 *act, int64_t T, float *out,
                          int64_t ldo, int64_t r0, int nr);
-typedef struct { kq_tile_fn q8_0, q4_0, q4_1, q4_K, q6_K, f32, f16, bf16; kq_x8_fn x8; } kq_kernels;
+typedef void (*kq_quant32_fn)(const float *x, int64_t T, int64_t n, kq_act32 *out);
+typedef struct { kq_tile_fn q8_0, q4_0, q4_1, q4_K, q6_K, f32, f16, bf16; kq_x8_fn x8; kq_quant32_fn quant32; } kq_kernels;
+void kq_quantize_q8_32_scalar(const float *x, int64_t T, int64_t n, kq_act32 *out);
 #define KQ_X8 0x100 /* qtype flag: weights in the x8 layout */
 int kq_x8_block_bytes(int qtype);
 int kq_repack_x8(int qtype, const uint8_t *w, int64_t rows, int64_t n, uint8_t *out);

@@ -176,6 +176,7 @@ void kq_kernels_scalar(kq_kernels *k) {
     k->q4_K = q4_K_scalar; k->q6_K = q6_K_scalar;
     k->f32 = f32_scalar; k->f16 = f16_scalar; k->bf16 = bf16_scalar;
     k->x8 = kq_x8_group_scalar;
+    k->quant32 = kq_quantize_q8_32_scalar;
 }
 
 /* ---------------- dispatch ---------------- */
@@ -233,6 +234,11 @@ const char *kq_simd_name(void) {
 }
 
 int kq_abi_version(void) { return 1; }
+
+void kq_quantize_q8_32(const float *x, int64_t T, int64_t n, kq_act32 *out) {
+    detect();
+    K.quant32(x, T, n, out);
+}
 
 /* ---------------- driver ---------------- */
 
@@ -323,13 +329,12 @@ static int matmul_x8(int qtype, const uint8_t *w, int64_t rows, int64_t n, const
     if (!bb || n % 32 || rows <= 0 || T <= 0) return -1;
     x8_ctx c = {.qtype = qtype, .w = w, .rows = rows, .nb = n / 32, .T = T, .out = out};
     c.gbytes = (size_t)c.nb * bb;
-    kq_act32 *scratch = malloc((size_t)(T * c.nb) * sizeof(kq_act32));
+    kq_act32 *scratch = kq_scratch(0, (size_t)(T * c.nb) * sizeof(kq_act32));
     if (!scratch) return -2;
     quantize_act(x, T, n, scratch, 0);
     c.act = scratch;
     int64_t groups = (rows + 7) / 8;
     kq_parallel_for(groups, kq_chunk_for(groups), x8_task, &c);
-    free(scratch);
     return 0;
 }
 
@@ -346,14 +351,14 @@ int kq_matmul(int qtype, const uint8_t *w, int64_t rows, int64_t n, const float 
     case KQ_BF16: c.fn = K.bf16; break;
     case KQ_Q8_0: case KQ_Q4_0: case KQ_Q4_1:
         c.nb = n / 32;
-        scratch = malloc((size_t)(T * c.nb) * sizeof(kq_act32));
+        scratch = kq_scratch(0, (size_t)(T * c.nb) * sizeof(kq_act32));
         if (!scratch) return -2;
         quantize_act(x, T, n, scratch, 0);
         c.fn = qtype == KQ_Q8_0 ? K.q8_0 : qtype == KQ_Q4_0 ? K.q4_0 : K.q4_1;
         break;
     case KQ_Q4_K: case KQ_Q6_K:
         c.nb = n / 256;
-        scratch = malloc((size_t)(T * c.nb) * sizeof(kq_act256));
+        scratch = kq_scratch(0, (size_t)(T * c.nb) * sizeof(kq_act256));
         if (!scratch) return -2;
         quantize_act(x, T, n, scratch, 1);
         c.fn = qtype == KQ_Q4_K ? K.q4_K : K.q6_K;
@@ -363,6 +368,5 @@ int kq_matmul(int qtype, const uint8_t *w, int64_t rows, int64_t n, const float 
     if (scratch) c.act = scratch;
     int64_t tiles = (rows + 3) / 4;
     kq_parallel_for(tiles, kq_chunk_for(tiles), mm_task, &c);
-    free(scratch);
     return 0;
 }

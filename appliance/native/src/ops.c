@@ -86,8 +86,9 @@ typedef struct {
 
 KQ_CLONES static void attn_task(void *c_, int64_t a, int64_t b) { /* (head, token) pairs a .. b-1 */
     const attn_ctx *c = c_;
-    float *p = malloc((size_t)c->S * sizeof(float));
-    float *acc = malloc((size_t)c->hd * sizeof(float));
+    float *p = kq_scratch(2, (size_t)(c->S + c->hd) * sizeof(float));
+    if (!p) return;
+    float *acc = p + c->S;
     const float scale = (float)(1.0 / sqrt((double)c->hd));
     int64_t rep = c->H / c->KV;
     for (int64_t j = a; j < b; j++) {
@@ -111,8 +112,6 @@ KQ_CLONES static void attn_task(void *c_, int64_t a, int64_t b) { /* (head, toke
         float *o = c->out + (t * c->H + h) * c->hd;
         for (int64_t i = 0; i < c->hd; i++) o[i] = acc[i] * inv;
     }
-    free(p);
-    free(acc);
 }
 
 void kq_attention(const float *q, const float *kc, const float *vc, int64_t max_len, int64_t T, int64_t S,
@@ -132,11 +131,12 @@ int kq_forward(const kq_model *m, float *const *k_cache, float *const *v_cache, 
     const int64_t D = m->hidden, H = m->n_heads, KV = m->n_kv, hd = m->head_dim, I = m->inter;
     if (pos + T > max_len) return -3;
     const int64_t qd = H * hd, kd = KV * hd;
-    float *xn = malloc((size_t)(T * D) * 4), *q = malloc((size_t)(T * qd) * 4);
-    float *k = malloc((size_t)(T * kd) * 4), *v = malloc((size_t)(T * kd) * 4);
-    float *att = malloc((size_t)(T * qd) * 4), *o = malloc((size_t)(T * D) * 4);
-    float *g = malloc((size_t)(T * I) * 4), *u = malloc((size_t)(T * I) * 4);
-    int rc = (xn && q && k && v && att && o && g && u) ? 0 : -2;
+    size_t need = (size_t)T * (size_t)(2 * D + 2 * qd + 2 * kd + 2 * I) * 4;
+    float *base = kq_scratch(1, need);
+    if (!base) return -2;
+    float *xn = base, *o = xn + T * D, *q = o + T * D, *att = q + T * qd, *k = att + T * qd, *v = k + T * kd;
+    float *g = v + T * kd, *u = g + T * I;
+    int rc = 0;
     for (int64_t l = 0; l < m->n_layers && rc == 0; l++) {
         const kq_layer *L = m->layers + l;
         kq_rms_norm(h, L->attn_norm, T, D, m->eps, xn);
@@ -170,6 +170,5 @@ int kq_forward(const kq_model *m, float *const *k_cache, float *const *v_cache, 
         rc |= linear(&L->down, g, T, o);
         for (int64_t i = 0; i < T * D; i++) h[i] += o[i];
     }
-    free(xn); free(q); free(k); free(v); free(att); free(o); free(g); free(u);
     return rc;
 }

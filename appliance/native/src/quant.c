@@ -44,7 +44,7 @@ size_t kq_row_bytes(int qtype, int64_t n) {
     }
 }
 
-void kq_quantize_q8_32(const float *x, int64_t T, int64_t n, kq_act32 *out) {
+void kq_quantize_q8_32_scalar(const float *x, int64_t T, int64_t n, kq_act32 *out) {
     int64_t nb = n / 32;
     for (int64_t t = 0; t < T; t++) {
         for (int64_t b = 0; b < nb; b++) {
