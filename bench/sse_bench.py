@@ -76,22 +76,18 @@ def get(port: int, path: str, sock: socket.socket | None = None) -> tuple[int, b
 
 
 def events(s: socket.socket, t0: float, stop_after_tokens: int | None = None):
-    """Yield (ms since t0, parsed event or '[DONE]') as chunks arrive; chunked framing is stripped loosely
-    (event payloads never contain CRLF)."""
+    """Yield (ms since t0 of the read that brought it, parsed event or '[DONE]'); chunked framing is stripped
+    loosely (event payloads never contain CRLF). Bytes that came with the head are events too."""
     buf = b""
     while b"\r\n\r\n" not in buf:
         buf += s.recv(65536)
+    now = (time.perf_counter() - t0) * 1000.0
     head, buf = buf.split(b"\r\n\r\n", 1)
     if not head.startswith(b"HTTP/1.1 200 "):
         raise RuntimeError(f"request failed: {head.decode()} {buf[:300]!r}")
     tokens = 0
     while True:
-        data = s.recv(65536)
-        now = (time.perf_counter() - t0) * 1000.0
-        if not data:
-            return
-        buf += data
-        while b"\n\n" in buf:
+        while b"\n\n" in buf:  # what already arrived (with the head, or in the last read) first
             raw, buf = buf.split(b"\n\n", 1)
             line = raw[raw.find(b"data: "):] if b"data: " in raw else b""
             if not line:
@@ -107,6 +103,11 @@ def events(s: socket.socket, t0: float, stop_after_tokens: int | None = None):
                 tokens += 1
                 if stop_after_tokens is not None and tokens >= stop_after_tokens:
                     return
+        data = s.recv(65536)
+        now = (time.perf_counter() - t0) * 1000.0
+        if not data:
+            return
+        buf += data
 
 
 def stream_run(port: int, n_tokens: int, prompt: str = "Tell me a story.") -> dict:
