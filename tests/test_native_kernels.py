@@ -149,3 +149,28 @@ def test_wrappers_reject_bad_shapes():
         kernels.matmul(QType.Q8_0, w, np.zeros((1, 32), np.float32))
     with pytest.raises(IndexError):
         kernels.get_rows(QType.Q8_0, w, np.array([4]))
+
+
+def test_concurrent_callers_get_correct_results():
+    """Two Python threads using the kernels at once (the pool runs one job at a time; the other runs alone)."""
+    import threading
+    if not hasattr(kernels, "bound_matmul"):
+        pytest.skip("in-process library only")
+    kernels.set_threads(2)
+    rng = np.random.default_rng(9)
+    w = random_weight(QType.Q4_0, 64, 256, rng)
+    xs = [_x(rng, 3, 256) for _ in range(2)]
+    want = [twins.matmul(QType.Q4_0, w, x) for x in xs]
+    bad = []
+
+    def run(i):
+        for _ in range(200):
+            if not np.array_equal(kernels.matmul(QType.Q4_0, w, xs[i]), want[i]):
+                bad.append(i)
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not bad

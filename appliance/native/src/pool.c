@@ -43,6 +43,7 @@ static struct {
 } P = {.nth = 1, .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
 
 static pthread_mutex_t config_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t job_mu = PTHREAD_MUTEX_INITIALIZER; /* held while a job is posted */
 
 static void pin_self(int cpu) {
     cpu_set_t set;
@@ -104,6 +105,7 @@ int kq_set_threads(int n, const int *cpus, int ncpus) {
     if (n > KQ_MAX_THREADS) n = KQ_MAX_THREADS;
     if (ncpus > KQ_MAX_THREADS) ncpus = KQ_MAX_THREADS;
     pthread_mutex_lock(&config_mu);
+    pthread_mutex_lock(&job_mu);
     stop_workers();
     P.ncpus = cpus ? ncpus : 0;
     for (int i = 0; i < P.ncpus; i++) P.cpus[i] = cpus[i];
@@ -115,6 +117,7 @@ int kq_set_threads(int n, const int *cpus, int ncpus) {
         started++;
     }
     P.nth = started;
+    pthread_mutex_unlock(&job_mu);
     pthread_mutex_unlock(&config_mu);
     return started;
 }
@@ -128,7 +131,8 @@ void kq_parallel_for(int64_t n, int64_t chunk, kq_range_fn fn, void *ctx) {
         if (tid != P.pinned_tid) { pin_self(P.cpus[0]); P.pinned_tid = tid; }
     }
     if (chunk < 1) chunk = 1;
-    if (P.nth == 1 || n <= chunk) { fn(ctx, 0, n); return; }
+    /* one job at a time: a second caller thread (or a task calling back in) runs its job alone */
+    if (P.nth == 1 || n <= chunk || pthread_mutex_trylock(&job_mu) != 0) { fn(ctx, 0, n); return; }
     P.fn = fn;
     P.ctx = ctx;
     P.n = n;
@@ -145,6 +149,7 @@ void kq_parallel_for(int64_t n, int64_t chunk, kq_range_fn fn, void *ctx) {
     while (atomic_load_explicit(&P.done, memory_order_acquire) < n) {
         if (++spins < SPIN_LIMIT) cpu_relax(); else sched_yield();
     }
+    pthread_mutex_unlock(&job_mu);
 }
 
 int64_t kq_chunk_for(int64_t n) { /* about 4 claims per thread: balance without much contention */
