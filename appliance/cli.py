@@ -4,7 +4,8 @@ Policies:
 - User mistakes (missing or unreadable model path, unsupported model, port in use, bad key file) end with one
   `kestrel-appliance: error: ...` line on stderr and a non-zero exit, never a traceback.
 - Serving binds first (so /health answers 503 while the model loads), then loads the model on the engine
-  thread. SIGTERM/SIGINT: stop accepting, let in-flight requests finish within --grace seconds, cancel the
+  thread; under systemd (Type=notify) READY=1 goes out once the model is loaded, WATCHDOG=1 pings come from
+  the event loop, STOPPING=1 at the first signal. SIGTERM/SIGINT: stop accepting, let in-flight requests finish within --grace seconds, cancel the
   rest, exit 0. A second signal cancels at once.
 - --threads sizes the C kernels' pool and caps the BLAS/OpenMP pools (set before numpy is imported, so heavy
   imports happen inside the functions here, after argument parsing).
@@ -171,6 +172,7 @@ def run_prompt(args: argparse.Namespace) -> int:
 async def serve(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
     import trio
 
+    from . import systemd
     from .api import Api, ApiConfig
     from .h11_server import HttpServer, ServerConfig
     from .worker import Worker
@@ -193,6 +195,7 @@ async def serve(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
                         nursery.cancel_scope.cancel()
                         return
                     log.info("%s: shutting down (grace %.0f s)", signal.Signals(sig).name, args.grace)
+                    systemd.notify_stopping(f"{signal.Signals(sig).name}: finishing in-flight requests")
                     nursery.start_soon(server.shutdown)
 
             async def on_loaded() -> None:
@@ -206,9 +209,18 @@ async def serve(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
                 else:
                     log.info("model %s ready (context %d tokens)", model_name(args.model),
                              worker.loaded.context_length)
+                    systemd.notify_ready(f"serving {model_name(args.model)} on "
+                                         + ", ".join(f"{args.host}:{p}" for p in server.ports))
+
+            async def watchdog() -> None:  # pings prove the event loop itself is alive
+                interval = systemd.watchdog_interval()
+                while interval is not None:
+                    systemd.notify_watchdog()
+                    await trio.sleep(interval)
 
             nursery.start_soon(on_signals)
             nursery.start_soon(on_loaded)
+            nursery.start_soon(watchdog)
             await worker.start()
             log.info("listening on %s", ", ".join(f"http://{args.host}:{p}" for p in server.ports))
             await server.serve()

@@ -177,3 +177,41 @@ def test_threads_sizes_the_kernel_pool():
         assert set_native_threads(3) == 3 and kernels.get_threads() == 3
     finally:
         kernels.set_threads(*cpu_topology.thread_plan())
+
+
+def test_systemd_ready_watchdog_stopping(tiny_qwen3_tied, tmp_path):
+    """Under systemd Type=notify: READY=1 only once the model is loaded (and /health says ok), WATCHDOG=1
+    pings from the running loop, STOPPING=1 at SIGTERM; exit 0."""
+    path = str(tmp_path / "notify")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(60)
+    env = {**os.environ, "NOTIFY_SOCKET": path, "WATCHDOG_USEC": "200000"}  # ping every 0.1 s
+    proc = subprocess.Popen(CLI + ["--model", tiny_qwen3_tied, "--port", "0"], stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        port = None
+        while port is None:
+            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", proc.stderr.readline())
+            port = int(m.group(1)) if m else None
+        messages = []
+        while not any(m.startswith("READY=1") for m in messages):
+            messages.append(sock.recv(4096).decode())
+        ready = next(m for m in messages if m.startswith("READY=1")).split("\n")
+        assert f"MAINPID={proc.pid}" in ready and any(x.startswith("STATUS=serving") for x in ready)
+        c = RawClient(port, timeout=10)
+        c.send(request_bytes("GET", "/health"))
+        r = c.read_head()
+        assert r.status == 200 and json.loads(c.read_body(r))["status"] == "ok"
+        c.close()
+        pings = [sock.recv(4096) for _ in range(3)]
+        assert pings.count(b"WATCHDOG=1") >= 2
+        proc.send_signal(signal.SIGTERM)
+        while (msg := sock.recv(4096)) == b"WATCHDOG=1":
+            pass
+        assert msg.startswith(b"STOPPING=1")
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        sock.close()
