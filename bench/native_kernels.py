@@ -1,8 +1,10 @@
-"""Kernel micro-benchmark: matrix-vector (decode) and matrix-matrix (prefill) products per weight type,
-native library (1..N threads) against the numpy path of QuantWeight, as GB/s of weight bytes streamed and
-as a fraction of this machine's measured copy bandwidth.
+"""Kernel micro-benchmark: matrix-vector (decode) and matrix-matrix (prefill) products per weight type on
+cold weights (a set larger than the caches, streamed once per pass), for the numpy path of QuantWeight and
+the native kernels (the file's row layout and, for Q8_0/Q4_0/Q4_1, the x8 layout), at each thread count.
+Decode is reported as GB/s of weight bytes and as a fraction of this machine's copy bandwidth; prefill as
+integer/float multiply-add throughput (2 ops per weight per token).
 
-    python bench/native_kernels.py [--rows 8192] [--cols 4096] [--prefill 64] [--threads 1,2]
+    python bench/native_kernels.py [--rows 4096] [--cols 2048] [--mb 256] [--prefill 64] [--threads 1,2]
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from appliance.native import kernels
 from appliance.native.qtypes import BLOCK, QType
 
 _SCALES = {QType.Q8_0: (0,), QType.Q4_0: (0,), QType.Q4_1: (0, 2), QType.Q4_K: (0, 2), QType.Q6_K: (208,)}
+X8 = (QType.Q8_0, QType.Q4_0, QType.Q4_1)
 
 
 def weight_bytes(qtype: QType, rows: int, cols: int, rng) -> np.ndarray:
@@ -34,63 +37,62 @@ def weight_bytes(qtype: QType, rows: int, cols: int, rng) -> np.ndarray:
     return b.reshape(rows, -1)
 
 
-def best_time(fn, min_time=0.3, reps=3) -> float:
+def best_time(fn, reps: int = 3) -> float:
     fn()
     best = float("inf")
     for _ in range(reps):
-        n, t0 = 0, time.perf_counter()
-        while True:
-            fn()
-            n += 1
-            dt = time.perf_counter() - t0
-            if dt >= min_time / reps:
-                break
-        best = min(best, dt / n)
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
     return best
 
 
-def copy_bandwidth(nbytes=512 << 20) -> float:
+def copy_bandwidth(nbytes: int = 256 << 20) -> float:
     src = np.ones(nbytes, np.uint8)
     dst = np.empty_like(src)
-    t = best_time(lambda: np.copyto(dst, src), min_time=1.0)
-    return 2 * nbytes / t / 1e9  # read + write
+    return 2 * nbytes / best_time(lambda: np.copyto(dst, src), reps=5) / 1e9  # read + write
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, default=8192)
-    ap.add_argument("--cols", type=int, default=4096)
+    ap.add_argument("--rows", type=int, default=4096)
+    ap.add_argument("--cols", type=int, default=2048)
+    ap.add_argument("--mb", type=int, default=256, help="total weight bytes per type (beyond the caches)")
     ap.add_argument("--prefill", type=int, default=64)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--types", default="Q8_0,Q4_0,Q4_1,Q4_K,Q6_K,BF16,F16,F32")
-    ap.add_argument("--numpy", action="store_true", help="also time the numpy path (slow)")
+    ap.add_argument("--no-numpy", action="store_true")
     a = ap.parse_args(argv)
     if not kernels.available():
         raise SystemExit(f"native library not available: {kernels.load_error}")
     rng = np.random.default_rng(0)
     threads = [int(t) for t in a.threads.split(",")]
     bw = copy_bandwidth()
-    print(f"simd {kernels.simd_name()}; copy bandwidth {bw:.1f} GB/s (read+write)")
-    print(f"{'type':6} {'MB':>6} " + " ".join(f"{'mv t' + str(t) + ' GB/s':>12}" for t in threads)
-          + " " + " ".join(f"{'mm' + str(a.prefill) + ' t' + str(t) + ' ms':>12}" for t in threads)
-          + ("  numpy mv GB/s  numpy mm ms" if a.numpy else ""))
+    print(f"simd {kernels.simd_name()}; copy bandwidth {bw:.1f} GB/s (read+write); {a.rows}x{a.cols} matrices, "
+          f"~{a.mb} MB per type; prefill {a.prefill} tokens")
+    print(f"{'type':6} {'layout':6} {'thr':>3} {'decode GB/s':>11} {'of copy bw':>10} {'prefill GOP/s':>13}")
     for name in a.types.split(","):
         q = QType[name]
-        raw = weight_bytes(q, a.rows, a.cols, rng)
-        mb = raw.nbytes / 1e6
+        one = weight_bytes(q, a.rows, a.cols, rng)
+        ws = [one] + [weight_bytes(q, a.rows, a.cols, rng) for _ in range(max(0, a.mb * 2**20 // one.nbytes - 1))]
+        total = sum(w.nbytes for w in ws)
         x1 = rng.standard_normal((1, a.cols)).astype(np.float32)
         xp = rng.standard_normal((a.prefill, a.cols)).astype(np.float32)
-        mv, mm = [], []
-        for t in threads:
-            kernels.set_threads(t)
-            mv.append(raw.nbytes / best_time(lambda: kernels.matmul(q, raw, x1)) / 1e9)
-            mm.append(best_time(lambda: kernels.matmul(q, raw, xp), reps=2) * 1e3)
-        row = f"{name:6} {mb:6.1f} " + " ".join(f"{v:12.1f}" for v in mv) + " " + " ".join(f"{v:12.1f}" for v in mm)
-        if a.numpy:
-            w = QuantWeight(q, (a.rows, a.cols), raw, native=False)
-            row += f"  {raw.nbytes / best_time(lambda: w(x1), reps=1) / 1e9:13.2f}"
-            row += f"  {best_time(lambda: w(xp), reps=1) * 1e3:11.1f}"
-        print(row, flush=True)
+        ops = 2.0 * a.rows * a.cols * a.prefill
+        layouts = [("rows", ws)] + ([("x8", [kernels.repack_x8(q, w) for w in ws])] if q in X8 else [])
+        for lname, data in layouts:
+            mm = (lambda w, x: kernels.matmul(q, w, x)) if lname == "rows" else \
+                (lambda w, x: kernels.matmul_x8(q, w, a.rows, x))
+            for t in threads:
+                kernels.set_threads(t)
+                dec = total / best_time(lambda: [mm(w, x1) for w in data]) / 1e9
+                pre = ops / best_time(lambda: mm(data[0], xp), reps=2) / 1e9
+                print(f"{name:6} {lname:6} {t:3d} {dec:11.1f} {dec / bw:10.2f} {pre:13.1f}", flush=True)
+        if not a.no_numpy:
+            w = QuantWeight(q, (a.rows, a.cols), one, native=False)
+            dec = one.nbytes / best_time(lambda: w(x1), reps=1) / 1e9
+            pre = ops / best_time(lambda: w(xp), reps=1) / 1e9
+            print(f"{name:6} {'numpy':6} {'-':>3} {dec:11.2f} {dec / bw:10.3f} {pre:13.1f}", flush=True)
     return 0
 
 

@@ -1,7 +1,7 @@
 """Thread plan from a fake sysfs CPU tree: big cores on big.LITTLE boards, every allowed CPU otherwise."""
 import os
 
-from appliance.native.cpu_topology import big_cores, parse_cpu_list, thread_plan
+from appliance.native.cpu_topology import big_cores, parse_cpu_list, thread_plan, threads_plan_for
 
 
 def _tree(root, online="0-7", capacity=None, max_freq=None):
@@ -50,3 +50,13 @@ def test_offline_and_disallowed_cores_are_left_out(tmp_path):
 
 def test_no_sysfs_falls_back_to_the_affinity_mask(tmp_path):
     assert thread_plan(str(tmp_path / "missing"), allowed={0, 1, 2}) == (3, None)
+
+
+def test_explicit_thread_counts_take_big_cores_first(tmp_path):
+    root = _tree(tmp_path / "cpu", capacity=[414] * 4 + [1024] * 4)
+    every = set(range(8))
+    assert threads_plan_for(None, root, every) == (4, [4, 5, 6, 7])
+    assert threads_plan_for(2, root, every) == (2, [4, 5])
+    assert threads_plan_for(6, root, every) == (6, [4, 5, 6, 7, 0, 1])
+    uniform = _tree(tmp_path / "u", online="0-3", capacity=[1024] * 4)
+    assert threads_plan_for(3, uniform, {0, 1, 2, 3}) == (3, None)

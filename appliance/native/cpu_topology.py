@@ -74,3 +74,23 @@ def thread_plan(root: str = SYSFS_CPU, allowed: set[int] | None = None) -> tuple
         return len(cores), cores
     n = len(allowed) if allowed else (len(cores) or os.cpu_count() or 1)
     return n, None
+
+
+def threads_plan_for(n: int | None, root: str = SYSFS_CPU, allowed: set[int] | None = None
+                     ) -> tuple[int, list[int] | None]:
+    """The plan for an explicit thread count (`--threads N`; None -> thread_plan). On big.LITTLE boards
+    threads are pinned biggest cores first (N beyond the big cores spills onto the next biggest)."""
+    if n is None:
+        return thread_plan(root, allowed)
+    n = max(1, int(n))
+    if allowed is None and hasattr(os, "sched_getaffinity"):
+        allowed = set(os.sched_getaffinity(0))
+    cores, hetero = big_cores(root, allowed)
+    if not hetero:
+        return n, None
+    cpus = online_cpus(root)
+    if allowed is not None:
+        cpus = [c for c in cpus if c in allowed]
+    scores = cpu_scores(root, cpus) or {}
+    order = sorted(cpus, key=lambda c: (-scores.get(c, 0), c))
+    return n, order[:n] if n <= len(order) else order

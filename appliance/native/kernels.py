@@ -107,6 +107,12 @@ def set_threads(n: int, cpus: list[int] | None = None) -> int:
     return _lib.kq_set_threads(int(n), None, 0)
 
 
+def configure_threads(n: int | None = None) -> int:
+    """Apply `--threads N` (None: the default plan): big cores first, pinned, on big.LITTLE boards."""
+    count, cpus = cpu_topology.threads_plan_for(n)
+    return set_threads(count, cpus)
+
+
 def get_threads() -> int:
     return _lib.kq_get_threads()
 
