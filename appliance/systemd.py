@@ -5,6 +5,11 @@ Policy: every call is a no-op returning False when the process is not run by sys
 notification that cannot be delivered is dropped (systemd then acts on the missing READY/WATCHDOG, which
 is the right signal). The watchdog interval is half of $WATCHDOG_USEC, as sd_watchdog_enabled() advises.
 
+The one-file executable runs Python in a child of the PyInstaller bootloader, and the bootloader is the
+service's main process: notifications come from that child (the unit says NotifyAccess=all), READY does not
+claim MAINPID (systemd keeps signalling the bootloader, which forwards SIGTERM once), and a WATCHDOG_PID naming
+the bootloader counts as ours.
+
 Server side, the whole API:
     notify_ready()            once the model is loaded and the socket listens
     watchdog_interval()       seconds between pings, or None when the unit has no WatchdogSec=
@@ -15,6 +20,8 @@ from __future__ import annotations
 
 import os
 import socket
+
+from . import resources
 
 
 def _address() -> str | None:
@@ -39,7 +46,7 @@ def notify(state: str) -> bool:
 
 
 def notify_ready(status: str = "") -> bool:
-    return notify("READY=1" + (f"\nSTATUS={status}" if status else "") + f"\nMAINPID={os.getpid()}")
+    return notify("READY=1" + (f"\nSTATUS={status}" if status else ""))
 
 
 def notify_watchdog() -> bool:
@@ -57,6 +64,7 @@ def watchdog_interval() -> float | None:
     except ValueError:
         return None
     pid = os.environ.get("WATCHDOG_PID")
-    if usec <= 0 or (pid and pid != str(os.getpid())):
+    ours = {str(os.getpid())} | ({str(os.getppid())} if resources.is_frozen() else set())
+    if usec <= 0 or (pid and pid not in ours):
         return None
     return usec / 2e6

@@ -24,7 +24,7 @@ def notify_socket(tmp_path, monkeypatch):
 def test_ready_watchdog_stopping_reach_the_socket(notify_socket):
     assert systemd.notify_ready("serving tiny") is True
     msg = notify_socket.recv(4096).decode()
-    assert msg.split("\n") == ["READY=1", "STATUS=serving tiny", f"MAINPID={os.getpid()}"]
+    assert msg.split("\n") == ["READY=1", "STATUS=serving tiny"]  # no MAINPID: the main process stays put
     assert systemd.notify_watchdog() is True
     assert notify_socket.recv(4096) == b"WATCHDOG=1"
     assert systemd.notify_stopping() is True
@@ -60,6 +60,11 @@ def test_watchdog_interval_is_half_of_watchdog_usec(monkeypatch):
     assert systemd.watchdog_interval() == 15.0
     monkeypatch.setenv("WATCHDOG_PID", str(os.getpid() + 1))  # the watchdog is meant for another process
     assert systemd.watchdog_interval() is None
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getppid()))  # from source: the parent is not ours
+    assert systemd.watchdog_interval() is None
+    monkeypatch.setattr(sys, "frozen", True, raising=False)  # one-file: the parent is the bootloader, main PID
+    monkeypatch.setattr(sys, "_MEIPASS", "/nonexistent", raising=False)
+    assert systemd.watchdog_interval() == 15.0
     monkeypatch.setenv("WATCHDOG_USEC", "garbage")
     assert systemd.watchdog_interval() is None
 
