@@ -26,7 +26,8 @@ import numpy as np
 
 TYPES = {"f32": "F32", "f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
 FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0"}
-ARCHITECTURES = ("qwen3", "qwen2", "llama")
+ARCHITECTURES = ("qwen3", "qwen2", "llama", "qwen3_moe")
+GGUF_ARCH = {"qwen3_moe": "qwen3moe"}  # Hugging Face model_type -> llama.cpp architecture name, where they differ
 LAYER_NAMES = {  # Hugging Face name inside model.layers.N. -> GGUF name inside blk.N.
     "input_layernorm.weight": "attn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
@@ -119,7 +120,7 @@ def write_tokenizer(writer, model_dir: str, vocab_size: int, config: dict) -> No
         writer.add_chat_template([{"name": k, "template": v} for k, v in sources.items()])
 
 
-def write_hparams(writer, cfg, name: str, file_type: str) -> None:
+def write_hparams(writer, cfg, name: str, file_type: str, moe=None) -> None:
     """Architecture keys (`{arch}.*`) from a Qwen3Config, plus general.* and the file type."""
     import gguf
 
@@ -136,12 +137,17 @@ def write_hparams(writer, cfg, name: str, file_type: str) -> None:
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
+    if moe is not None:
+        writer.add_expert_count(moe.num_experts)
+        writer.add_expert_used_count(moe.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(moe.moe_intermediate_size)
     writer.add_file_type(getattr(gguf.LlamaFileType, file_type))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
-def tensor_plan(st, cfg) -> list[tuple[str, str, str | None]]:
-    """(gguf name, safetensors name, permute: 'q' | 'k' | None) in llama.cpp's usual order."""
+def tensor_plan(st, cfg, moe=None) -> list[tuple[str, str | tuple[str, ...], str | None]]:
+    """(gguf name, safetensors name, permute: 'q' | 'k' | None) in llama.cpp's usual order. A mixture-of-experts
+    layer's experts are stacked into one tensor per projection: the name is then a tuple, one per expert."""
     plan = [("token_embd.weight", "model.embed_tokens.weight", None)]
     for i in range(cfg.num_hidden_layers):
         for hf, gg in LAYER_NAMES.items():
@@ -149,17 +155,23 @@ def tensor_plan(st, cfg) -> list[tuple[str, str, str | None]]:
             if name in st:
                 perm = gg.split(".")[0][-1] if gg.startswith(("attn_q.", "attn_k.")) else None
                 plan.append((f"blk.{i}.{gg}", name, perm))
+        router = f"model.layers.{i}.mlp.gate.weight"
+        if moe is not None and router in st:
+            plan.append((f"blk.{i}.ffn_gate_inp.weight", router, None))
+            for proj in ("gate", "up", "down"):
+                experts = tuple(f"model.layers.{i}.mlp.experts.{j}.{proj}_proj.weight" for j in range(moe.num_experts))
+                plan.append((f"blk.{i}.ffn_{proj}_exps.weight", experts, None))
     plan.append(("output_norm.weight", "model.norm.weight", None))
     if not cfg.tie_word_embeddings and "lm_head.weight" in st:
         plan.append(("output.weight", "lm_head.weight", None))
     return plan
 
 
-def encode_tensor(w: np.ndarray, qtype_name: str) -> tuple[np.ndarray, "object"]:
+def encode_tensor(w: np.ndarray, qtype_name: str, router: bool = False) -> tuple[np.ndarray, "object"]:
     """float32 array -> (array to write, GGMLQuantizationType)."""
     import gguf
 
-    if w.ndim == 1 or qtype_name == "F32":
+    if w.ndim == 1 or qtype_name == "F32" or router:  # llama.cpp keeps expert routers in F32 too
         return np.ascontiguousarray(w, dtype=np.float32), gguf.GGMLQuantizationType.F32
     qtype = getattr(gguf.GGMLQuantizationType, qtype_name)
     block = gguf.GGML_QUANT_SIZES[qtype][0]
@@ -205,18 +217,28 @@ def convert(model_dir: str, out_path: str, type_name: str, progress_stream=None)
     if cfg_dict.get("model_type") not in ARCHITECTURES:
         raise ConvertError(f"unsupported model type {cfg_dict.get('model_type')!r} (supported: {', '.join(ARCHITECTURES)})")
     cfg = Qwen3Config.from_dict(cfg_dict)
+    moe = None
+    if cfg.model_type == "qwen3_moe":
+        from appliance.engine.qwen3_moe import MoEConfig
+
+        moe = MoEConfig.from_dict(cfg_dict)
+        if not moe.norm_topk_prob or moe.mlp_only_layers or moe.decoder_sparse_step != 1:
+            raise ConvertError("llama.cpp's qwen3moe renormalises the top-k weights in every layer: only "
+                               "norm_topk_prob=true with every layer sparse can be converted")
     st = SafeTensors(model_dir)
     out_dir = os.path.dirname(os.path.abspath(out_path))
     if not os.path.isdir(out_dir):
         raise ConvertError(f"output directory does not exist: {out_dir}")
     tmp = out_path + ".tmp"
-    writer = gguf.GGUFWriter(tmp, cfg.model_type)
-    write_hparams(writer, cfg, os.path.basename(os.path.abspath(model_dir)), FILE_TYPES[type_name])
+    writer = gguf.GGUFWriter(tmp, GGUF_ARCH.get(cfg.model_type, cfg.model_type))
+    write_hparams(writer, cfg, os.path.basename(os.path.abspath(model_dir)), FILE_TYPES[type_name], moe)
     write_tokenizer(writer, model_dir, cfg.vocab_size, cfg_dict)
-    plan = tensor_plan(st, cfg)
+    plan = tensor_plan(st, cfg, moe)
     heads = {"q": cfg.num_attention_heads, "k": cfg.num_key_value_heads}
 
-    def load(hf_name: str, perm: str | None) -> np.ndarray:
+    def load(hf_name: str | tuple[str, ...], perm: str | None) -> np.ndarray:
+        if isinstance(hf_name, tuple):
+            return np.stack([to_float32(*st.raw(n)) for n in hf_name])  # (E, out, in)
         w = to_float32(*st.raw(hf_name))
         if perm is not None and cfg.model_type == "llama":
             w = permute_rows(w, heads[perm])
@@ -224,10 +246,11 @@ def convert(model_dir: str, out_path: str, type_name: str, progress_stream=None)
 
     infos = []
     for gg_name, hf_name, perm in plan:  # shapes and sizes first: the header precedes the data
-        shape = st.raw(hf_name)[0].shape
-        one_row, qtype = encode_tensor(np.zeros((1, shape[-1]) if len(shape) == 2 else shape, np.float32),
-                                       TYPES[type_name])
-        byte_shape = (shape[0],) + one_row.shape[1:] if len(shape) == 2 else one_row.shape
+        router = gg_name.endswith("ffn_gate_inp.weight")
+        shape = (len(hf_name),) + st.raw(hf_name[0])[0].shape if isinstance(hf_name, tuple) else st.raw(hf_name)[0].shape
+        one_row, qtype = encode_tensor(np.zeros((1, shape[-1]) if len(shape) >= 2 else shape, np.float32),
+                                       TYPES[type_name], router)
+        byte_shape = tuple(shape[:-1]) + one_row.shape[1:] if len(shape) >= 2 else one_row.shape
         nbytes = int(np.prod(byte_shape)) * one_row.itemsize
         writer.add_tensor_info(gg_name, byte_shape, one_row.dtype, nbytes, raw_dtype=qtype)
         infos.append(nbytes)
@@ -236,7 +259,7 @@ def convert(model_dir: str, out_path: str, type_name: str, progress_stream=None)
     writer.write_ti_data_to_file()
     bar = Progress(sum(infos), progress_stream or sys.stderr)
     for (gg_name, hf_name, perm), nbytes in zip(plan, infos):
-        arr, _ = encode_tensor(load(hf_name, perm), TYPES[type_name])
+        arr, _ = encode_tensor(load(hf_name, perm), TYPES[type_name], gg_name.endswith("ffn_gate_inp.weight"))
         writer.write_tensor_data(arr)
         bar.advance(nbytes, gg_name)
     writer.close()

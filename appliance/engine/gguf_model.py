@@ -25,7 +25,7 @@ from .config import Qwen3Config
 from .generate import Engine
 from .weights import DenseWeight
 
-SUPPORTED_ARCHITECTURES = ("qwen3", "qwen2", "llama")
+SUPPORTED_ARCHITECTURES = ("qwen3", "qwen2", "llama", "qwen3moe")
 # GGUF general.sampling.* -> generation_config.json names (what LoadedModel.default_sampling holds)
 SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
                  "penalty_repeat": "repetition_penalty"}
@@ -138,8 +138,13 @@ def config_from_metadata(meta: dict[str, Any], f: GGUFModelFile) -> Qwen3Config:
         qk_norm="blk.0.attn_q_norm.weight" in f, attention_bias="blk.0.attn_q.bias" in f)
 
 
-def build_model(cfg: Qwen3Config, f: GGUFModelFile) -> qwen3.Qwen3Model:
+def build_model(cfg: Qwen3Config, f: GGUFModelFile, meta: dict[str, Any] | None = None) -> qwen3.Qwen3Model:
     """The decoder over GGUF tensor names (blk.N.attn_q.weight, ...)."""
+    from .gguf_moe import moe_config_from_metadata, moe_mlp
+    from .qwen3_moe import ExpertLoadStats
+
+    moe = moe_config_from_metadata(meta, cfg.model_type) if cfg.model_type == "qwen3moe" else None
+    stats = ExpertLoadStats()
     permuted = cfg.model_type == "llama"
     q_order = unpermute_rows(cfg.num_attention_heads * cfg.head_dim, cfg.num_attention_heads) if permuted else None
     k_order = unpermute_rows(cfg.num_key_value_heads * cfg.head_dim, cfg.num_key_value_heads) if permuted else None
@@ -159,12 +164,17 @@ def build_model(cfg: Qwen3Config, f: GGUFModelFile) -> qwen3.Qwen3Model:
             q_norm=opt(p + "attn_q_norm.weight"), k_norm=opt(p + "attn_k_norm.weight"),
             q_bias=opt(p + "attn_q.bias", q_order), k_bias=opt(p + "attn_k.bias", k_order),
             v_bias=opt(p + "attn_v.bias"))
-        mlp = qwen3.SwiGLU(f.matrix(p + "ffn_gate.weight"), f.matrix(p + "ffn_up.weight"),
-                           f.matrix(p + "ffn_down.weight"))
+        mlp = moe_mlp(f, i, stats, moe) if moe is not None else None
+        if mlp is None:
+            mlp = qwen3.SwiGLU(f.matrix(p + "ffn_gate.weight"), f.matrix(p + "ffn_up.weight"),
+                               f.matrix(p + "ffn_down.weight"))
         layers.append(qwen3.Layer(f.vector(p + "attn_norm.weight"), attn, f.vector(p + "ffn_norm.weight"), mlp))
     embed = f.matrix("token_embd.weight")
     lm_head = embed if cfg.tie_word_embeddings else f.matrix("output.weight")
-    return qwen3.Qwen3Model(cfg, embed, layers, f.vector("output_norm.weight"), lm_head)
+    model = qwen3.Qwen3Model(cfg, embed, layers, f.vector("output_norm.weight"), lm_head)
+    if moe is not None:
+        model.expert_stats, model.moe_config = stats, moe
+    return model
 
 
 def default_sampling(meta: dict[str, Any]) -> dict:
@@ -190,7 +200,7 @@ def load_gguf(path: str, context_length: int | None = None, prefill_chunk: int =
         meta = read_metadata(reader)
         f = GGUFModelFile(reader)
         cfg = config_from_metadata(meta, f)
-        model = build_model(cfg, f)
+        model = build_model(cfg, f, meta)
         tokenizer = build_tokenizer(meta)
         source = chat_templates(meta)
         if source is None:
