@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import errno
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 from urllib.parse import unquote
 
 import h11
 import trio
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 from .protocol.errors import ApiError, body_too_large, error_body, internal_error
 
@@ -49,6 +53,13 @@ class ServerConfig:
 
 class PeerGone(Exception):
     """The client closed the connection (or it broke) while we were reading or writing."""
+
+
+def _only(exc: BaseException, kind: type) -> bool:
+    """True when exc is `kind`, or an exception group whose every leaf is."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_only(e, kind) for e in exc.exceptions)
+    return isinstance(exc, kind)
 
 
 class Exchange:
@@ -285,7 +296,9 @@ class _Connection:
                     if not exchange.response_started:
                         await self._send_error(e)
                     return
-                except Exception:  # a bug in the application: log it, answer 500 if we still can, close
+                except Exception as e:  # a bug in the application: log it, answer 500 if we still can, close
+                    if _only(e, PeerGone):  # a write failed inside a nursery (grouped by trio)
+                        return
                     log.exception("unhandled error in %s %s", exchange.method, exchange.path)
                     if not exchange.response_started:
                         await self._send_error(internal_error())
