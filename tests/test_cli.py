@@ -215,3 +215,25 @@ def test_systemd_ready_watchdog_stopping(tiny_qwen3_tied, tmp_path):
         if proc.poll() is None:
             proc.kill()
         sock.close()
+
+
+def test_extension_events_flag(tiny_qwen3_tied):
+    """--extension-events: every stream ends with the metrics and tokens events unless the request opts out."""
+    proc, port = start_server(tiny_qwen3_tied, "--extension-events")
+    try:
+        def stream(**extra):
+            c = RawClient(port)
+            c.send(request_bytes("POST", "/v1/chat/completions",
+                                 chat_body("Hi", stream=True, max_tokens=3, ignore_eos=True, **extra)))
+            r = c.read_head()
+            c.read_events(r)
+            c.close()
+            return [e.get("object") for e in r.json_events()]
+
+        objects = stream()
+        assert objects[-2:] == ["chat.completion.metrics", "chat.completion.tokens"]
+        assert "chat.completion.metrics" not in stream(stream_options={"include_metrics": False,
+                                                                       "include_tokens": False})
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
