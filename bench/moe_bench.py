@@ -1,0 +1,159 @@
+"""Qwen3-30B-A3B-shaped mixture-of-experts, ours against llama.cpp on the same GGUF files, side by side in one
+run: decode tok/s (128 tokens) and prefill tok/s (256-token prompt), median of >= 3 interleaved runs, plus the
+bytes of weights read per decoded token against the dense equivalent (every expert read), and how many distinct
+(layer, expert) pairs one request (prefill + decode) read.
+
+The model has the real widths (hidden 2048, 128 experts, top-8, moe_intermediate 768, 32 heads, 4 KV heads,
+head_dim 128, vocab 151936) and fewer layers (default 4 of 48) so it fits this machine's time; random blocks
+with sane scales (speed does not depend on the values), cached in ~/.cache/kestrel-bench.
+
+    python bench/moe_bench.py [--types q4_0,q8_0] [--layers 4] [--threads 2] [--runs 3]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gguf_bench import CACHE, Ours, copy_bandwidth, random_blocks  # noqa: E402
+
+from appliance.engine.gguf_model import open_gguf  # noqa: E402
+from appliance.native import kernels  # noqa: E402
+from tests.support.gguf_files import peer_module  # noqa: E402
+
+QWEN3_30B_A3B = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128, top_k=8, moe_inter=768,
+                     vocab=151936, intermediate=6144)
+
+
+def write_random_moe(path: str, qtype_name: str, layers: int, s: dict = QWEN3_30B_A3B) -> str:
+    import shutil
+    import tempfile
+
+    import gguf
+
+    from appliance.convert import write_hparams, write_tokenizer
+    from appliance.engine.config import Qwen3Config
+    from appliance.engine.qwen3_moe import MoEConfig
+    from tests.support import tiny_models
+
+    if os.path.exists(path):
+        return path
+    cfg = Qwen3Config(model_type="qwen3moe", vocab_size=s["vocab"], hidden_size=s["hidden"],
+                      intermediate_size=s["intermediate"], num_hidden_layers=layers, num_attention_heads=s["heads"],
+                      num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], rms_norm_eps=1e-6, rope_theta=1e6,
+                      max_position_embeddings=40960, tie_word_embeddings=False)
+    moe = MoEConfig(s["experts"], s["top_k"], s["moe_inter"], True)
+    H, KV, hd, D, E, F = s["heads"], s["kv_heads"], s["head_dim"], s["hidden"], s["experts"], s["moe_inter"]
+    plan = [("token_embd.weight", (s["vocab"], D))]
+    for i in range(layers):
+        p = f"blk.{i}."
+        plan += [(p + "attn_norm.weight", (D,)), (p + "attn_q.weight", (H * hd, D)), (p + "attn_k.weight", (KV * hd, D)),
+                 (p + "attn_v.weight", (KV * hd, D)), (p + "attn_output.weight", (D, H * hd)),
+                 (p + "attn_q_norm.weight", (hd,)), (p + "attn_k_norm.weight", (hd,)), (p + "ffn_norm.weight", (D,)),
+                 (p + "ffn_gate_inp.weight", (E, D, "F32")), (p + "ffn_gate_exps.weight", (E, F, D)),
+                 (p + "ffn_up_exps.weight", (E, F, D)), (p + "ffn_down_exps.weight", (E, D, F))]
+    plan += [("output_norm.weight", (D,)), ("output.weight", (s["vocab"], D))]
+    os.makedirs(CACHE, exist_ok=True)
+    tok_dir = tempfile.mkdtemp(dir=CACHE)
+    try:
+        tiny_models.write_tokenizer(tok_dir)
+        shutil.copyfile(os.path.join(tiny_models.FIXTURES, "qwen3", "chat_template.jinja"),
+                        os.path.join(tok_dir, "chat_template.jinja"))
+        w = gguf.GGUFWriter(path + ".tmp", "qwen3moe")
+        write_hparams(w, cfg, f"random-qwen3-30b-a3b-{layers}l-{qtype_name.lower()}", f"MOSTLY_{qtype_name}", moe)
+        write_tokenizer(w, tok_dir, cfg.vocab_size, {"bos_token_id": 151643, "eos_token_id": 151645})
+    finally:
+        shutil.rmtree(tok_dir, ignore_errors=True)
+    qtype = getattr(gguf.GGMLQuantizationType, qtype_name)
+    bs, nb = gguf.GGML_QUANT_SIZES[qtype]
+    for name, shp in plan:
+        if len(shp) == 1 or shp[-1] == "F32":
+            n = int(np.prod(shp[:2] if shp[-1] == "F32" else shp))
+            w.add_tensor_info(name, shp[:2] if shp[-1] == "F32" else shp, np.dtype(np.float32), n * 4)
+        else:
+            byte_shape = tuple(shp[:-1]) + (shp[-1] // bs * nb,)
+            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(0)
+    for name, shp in plan:
+        if len(shp) == 1:
+            w.write_tensor_data(np.ones(shp, np.float32))
+        elif shp[-1] == "F32":  # router: zero-mean rows, so the common offset of random blocks (their quants
+            r = rng.standard_normal(shp[:2]).astype(np.float32)  # average -0.5) does not pick the same experts
+            w.write_tensor_data(0.05 * (r - r.mean(axis=1, keepdims=True)))  # for every token
+        else:
+            rows = int(np.prod(shp[:-1]))
+            w.write_tensor_data(random_blocks(rng, qtype_name, rows, shp[-1]).reshape(*shp[:-1], -1))
+    w.close()
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def bytes_per_token(path: str, top_k: int) -> tuple[int, int]:
+    """(bytes read per decoded token with top-k routing, bytes if every expert were read: the dense equivalent)."""
+    r = open_gguf(path)
+    sparse = dense = 0
+    for t in r.tensors:
+        n = int(t.n_bytes)
+        if t.name == "token_embd.weight":
+            continue  # one row per token
+        if "_exps." in t.name:
+            experts = int(t.shape[-1])
+            sparse += n * top_k // experts
+            dense += n
+        else:
+            sparse += n
+            dense += n
+    return sparse, dense
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--types", default="q4_0,q8_0")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--threads", default="2")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--decode", type=int, default=128)
+    args = ap.parse_args(argv)
+    peer = peer_module()
+    peer.ensure_peer()
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e9:.1f} GB/s; native library: {kernels.available()}", flush=True)
+    print(f"{'type':<6}{'thr':>4}{'dec ours':>10}{'dec llama':>10}{'ratio':>7}{'pre ours':>10}{'pre llama':>10}"
+          f"{'ratio':>7}{'MB/tok':>8}{'dense MB':>9}{'experts read':>14}", flush=True)
+    for t in args.types.split(","):
+        path = write_random_moe(os.path.join(CACHE, f"random-qwen3-30b-a3b-{args.layers}l-{t}.gguf"), t.upper(),
+                                args.layers)
+        sparse, dense = bytes_per_token(path, QWEN3_30B_A3B["top_k"])
+        ours = Ours(path, args.prompt, args.decode)
+        stats = ours.lm.model.expert_stats
+        for n in (int(x) for x in args.threads.split(",")):
+            kernels.set_threads(n)
+            with peer.LlamaCppPeer(path, n_threads=n, n_ctx=args.prompt + args.decode + 8) as theirs:
+                ours.run(16, 4)
+                theirs.bench(16, 4, runs=1, warmup=False)
+                o_pre, o_dec, t_pre, t_dec, per_tok = [], [], [], [], []
+                for _ in range(args.runs):
+                    stats.reset()
+                    p, d = ours.run(args.prompt, args.decode)
+                    o_pre.append(p)
+                    o_dec.append(d)
+                    per_tok.append(stats.distinct_experts)
+                    r = theirs.bench(args.prompt, args.decode, runs=1, warmup=False)
+                    t_pre.append(r["prefill_tok_s"])
+                    t_dec.append(r["decode_tok_s"])
+            od, td, op, tp = (statistics.median(x) for x in (o_dec, t_dec, o_pre, t_pre))
+            print(f"{t:<6}{n:>4}{od:>10.2f}{td:>10.2f}{od / td:>7.2f}{op:>10.1f}{tp:>10.1f}{op / tp:>7.2f}"
+                  f"{sparse / 1e6:>8.0f}{dense / 1e6:>9.0f}{statistics.median(per_tok):>8.0f}/{QWEN3_30B_A3B['experts'] * args.layers}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
