@@ -27,7 +27,7 @@
 #define DOT(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
 #define DOTS(acc, u, s, s16, s32) _mm256_add_epi32((acc), _mm256_mullo_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (s)), (s32)))
 #include "matmul_x86.inc"
-#define NC 4
+#define NC 8 /* 32 vector registers: 8 columns per pass over the weights */
 #include "matmul_x8_x86.inc"
 #undef NC
 #undef SFX
