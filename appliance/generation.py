@@ -107,6 +107,9 @@ class Generation:
         if finish is None:
             return await self._fail(ex, failure)
         stats = GenerationStats.from_finish(finish, queue_ms)
+        log.info("%s %s: %s, prompt %d + completion %d tokens, queued %.0f ms, ttft %.0f ms, %.1f tok/s",
+                 ex.path, "stream" if stream else "json", finish.reason, stats.prompt_tokens,
+                 stats.completion_tokens, stats.queue_ms, stats.ttft_ms, stats.tok_s)
         if not stream:
             return await self.api.send_json(ex, _image_usage(self.out.response(finish.reason, finish.text, stats),
                                                              finish))

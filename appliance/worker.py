@@ -19,6 +19,7 @@ Policies:
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import queue
 import threading
@@ -27,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import trio
+
+log = logging.getLogger("appliance.worker")
 
 
 class QueueFull(Exception):
@@ -164,6 +167,8 @@ class Worker:
         s.requests_finished += 1
         if t.finish_reason == "cancelled":
             s.requests_cancelled += 1
+            log.info("generation cancelled (client gone or shutdown) after %d prefill chunks and %d tokens; "
+                     "%d token(s) after the cancel", t.prefill_chunks or 0, t.tokens, t.tokens_after_cancel)
         elif t.finish_reason is None:
             s.requests_failed += 1
         s.traces.append(t)

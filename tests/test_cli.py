@@ -198,7 +198,7 @@ def test_systemd_ready_watchdog_stopping(tiny_qwen3_tied, tmp_path):
         while not any(m.startswith("READY=1") for m in messages):
             messages.append(sock.recv(4096).decode())
         ready = next(m for m in messages if m.startswith("READY=1")).split("\n")
-        assert f"MAINPID={proc.pid}" in ready and any(x.startswith("STATUS=serving") for x in ready)
+        assert any(x.startswith("STATUS=serving") for x in ready)
         c = RawClient(port, timeout=10)
         c.send(request_bytes("GET", "/health"))
         r = c.read_head()
