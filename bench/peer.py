@@ -88,9 +88,9 @@ class LlamaCppPeer:
         """Logits (T, vocab) at every position of tokens."""
         return self._call(op="logits", tokens=tokens)
 
-    def bench(self, prompt_len: int, decode: int, runs: int = 3) -> dict:
-        """Median prefill and decode tok/s over runs (after one warm-up)."""
-        return self._call(op="bench", prompt_len=prompt_len, decode=decode, runs=runs)
+    def bench(self, prompt_len: int, decode: int, runs: int = 3, warmup: bool = True) -> dict:
+        """Median prefill and decode tok/s over runs (after one untimed warm-up run unless warmup=False)."""
+        return self._call(op="bench", prompt_len=prompt_len, decode=decode, runs=runs, warmup=warmup)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -148,7 +148,8 @@ def _serve() -> None:
             rng = np.random.default_rng(0)
             prompt = [int(t) for t in rng.integers(100, min(llm.n_vocab(), 30000), req["prompt_len"])]
             prefill, decode = [], []
-            for run in range(req["runs"] + 1):  # run 0 warms up (pages the weights in)
+            warm = 1 if req["warmup"] else 0
+            for run in range(req["runs"] + warm):  # a warm-up run pages the weights in
                 llm.reset()
                 t0 = time.perf_counter()
                 llm.eval(prompt)
@@ -159,7 +160,7 @@ def _serve() -> None:
                     llm.eval([tok])
                     tok = argmax_last()
                 t3 = time.perf_counter()
-                if run:
+                if run >= warm:
                     prefill.append(req["prompt_len"] / (t1 - t0))
                     decode.append(req["decode"] / (t3 - t2))
             return {"prefill_tok_s": statistics.median(prefill), "decode_tok_s": statistics.median(decode),

@@ -15,41 +15,19 @@ import pytest
 from appliance import convert
 from appliance.engine.gguf_model import open_gguf
 from appliance.engine.model_dir import ModelLoadError, load_model
-from tests.support import tiny_models
+from tests.support.gguf_files import build_tiny
 
 TEXT = "Hello, world! 12345 <think>x</think>\n\n  ünïcode 日本"
 
 
-def build_tiny_llama(out_dir: str, seed: int = 3) -> str:
-    """A tiny random LlamaForCausalLM (GQA 4:2, untied) with the Qwen tokenizer and chat template."""
-    import shutil
-
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    os.makedirs(out_dir, exist_ok=True)
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
-                      max_position_embeddings=2048, initializer_range=0.2, rms_norm_eps=1e-5,
-                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                      bos_token_id=151643, eos_token_id=151645)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-    model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
-    tiny_models.write_tokenizer(out_dir)
-    tiny_models.write_generation_config(out_dir)
-    shutil.copyfile(os.path.join(tiny_models.FIXTURES, "qwen3", "chat_template.jinja"),
-                    os.path.join(out_dir, "chat_template.jinja"))
-    return out_dir
-
-
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> str:
-    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
+    return build_tiny(str(tmp_path_factory.mktemp("tiny-llama")), "llama")
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory) -> str:
+    return build_tiny(str(tmp_path_factory.mktemp("tiny-qwen2")), "qwen2")
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +47,7 @@ def all_logits(lm, ids) -> np.ndarray:
     return lm.model.forward(np.array(ids), cache, logits="all")  # (T, vocab)
 
 
-@pytest.mark.parametrize("fixture", ["tiny_qwen3_tied", "tiny_qwen3_untied", "tiny_llama"])
+@pytest.mark.parametrize("fixture", ["tiny_qwen3_tied", "tiny_qwen3_untied", "tiny_llama", "tiny_qwen2"])
 def test_f32_gguf_matches_safetensors_logits(request, fixture, gguf_dir):
     src = request.getfixturevalue(fixture)
     ref = load_model(src)
@@ -81,7 +59,7 @@ def test_f32_gguf_matches_safetensors_logits(request, fixture, gguf_dir):
     np.testing.assert_allclose(all_logits(g, ids), all_logits(ref, ids), rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("fixture", ["tiny_qwen3_untied", "tiny_llama"])
+@pytest.mark.parametrize("fixture", ["tiny_qwen3_untied", "tiny_llama", "tiny_qwen2"])
 def test_f16_gguf_close_to_safetensors(request, fixture, gguf_dir):
     src = request.getfixturevalue(fixture)
     ref, g = load_model(src), load_model(converted(src, gguf_dir, "f16"))
@@ -133,8 +111,6 @@ def test_metadata_llama_cpp_needs(tiny_qwen3_untied, gguf_dir, qwen3_chat_templa
 
 def test_llama_qk_rows_are_permuted_in_the_file(tiny_llama, gguf_dir):
     """The file holds llama.cpp's layout (adjacent rotary pairs), not Hugging Face's halves."""
-    import gguf
-
     from appliance.engine.safetensors import SafeTensors, to_float32
 
     r = open_gguf(converted(tiny_llama, gguf_dir, "f32"))

@@ -13,9 +13,6 @@ the native path the free greedy text is checked for coherence only via the teach
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import numpy as np
 import pytest
 
@@ -23,17 +20,10 @@ from appliance.engine.generate import GenerationRequest
 from appliance.engine.gguf_model import open_gguf
 from appliance.engine.sampling import SamplingParams
 from appliance.native import kernels
+from tests.support.gguf_files import fetch_smollm2
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 N_REF = 32
-
-
-def fetch_smollm2() -> str:
-    spec = importlib.util.spec_from_file_location("fetch_smollm2", os.path.join(ROOT, "scripts", "fetch_smollm2.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.fetch()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,219 @@
+"""Our engine against llama.cpp (llama-cpp-python, built from PyPI into a cached venv, see peer.py) on the same
+GGUF files, side by side in one run: decode tok/s (128 tokens) and prefill tok/s (256-token prompt) at 1 and
+2 threads, median of >= 3 runs, runs of the two engines interleaved so machine noise hits both alike.
+
+Models: (a) SmolLM2-135M-Instruct Q4_1 (the real file, scripts/fetch_smollm2.py), (b) a Qwen3-1.7B-shaped
+random model (hidden 2048, 28 layers, 16/8 heads, head_dim 128, intermediate 6144, vocab 151936, tied) in
+Q8_0 and Q4_0, written directly with GGUFWriter (random blocks with sane scales; speed does not depend on
+the values) and cached in ~/.cache/kestrel-bench.
+
+Printed per row: both speeds, ours/llama.cpp ratios, and the fraction of the memory-bandwidth limit:
+limit tok/s = measured copy bandwidth / weight bytes read per token (every matrix once, the tied embedding
+table once as the LM head). Bandwidth is a single-threaded numpy copy of 512 MB, (read + write) / time.
+
+    python bench/gguf_bench.py [--models smollm2,q8_0,q4_0] [--threads 1,2] [--runs 3]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from appliance.engine.generate import GenerationRequest  # noqa: E402
+from appliance.engine.gguf_model import open_gguf  # noqa: E402
+from appliance.engine.model_dir import load_model  # noqa: E402
+from appliance.engine.sampling import SamplingParams  # noqa: E402
+from appliance.native import kernels  # noqa: E402
+from tests.support.gguf_files import fetch_smollm2, peer_module  # noqa: E402
+
+CACHE = os.path.expanduser(os.environ.get("KESTREL_BENCH_CACHE", "~/.cache/kestrel-bench"))
+QWEN3_1_7B = dict(hidden=2048, layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=6144, vocab=151936)
+
+
+# -- the random 1.7B-shaped file ------------------------------------------------------------------------------------
+def random_blocks(rng, qtype_name: str, rows: int, cols: int) -> np.ndarray:
+    """(rows, row_bytes) uint8 of random blocks whose fp16 scale gives weights of std ~0.02."""
+    import gguf
+
+    qtype = getattr(gguf.GGMLQuantizationType, qtype_name)
+    bs, nb = gguf.GGML_QUANT_SIZES[qtype]
+    b = np.frombuffer(rng.bytes(rows * (cols // bs) * nb), np.uint8).reshape(rows, cols // bs, nb).copy()
+    scale = 0.02 / (74.0 if qtype_name == "Q8_0" else 4.6)  # std of uniform int8 / of (nibble - 8)
+    b[..., 0:2] = np.frombuffer(np.float16(scale).tobytes(), np.uint8)
+    return b.reshape(rows, -1)
+
+
+def write_random_qwen3(path: str, qtype_name: str, shape: dict = QWEN3_1_7B) -> str:
+    import shutil
+    import tempfile
+
+    import gguf
+
+    from appliance.convert import write_hparams, write_tokenizer
+    from appliance.engine.config import Qwen3Config
+    from tests.support import tiny_models
+
+    if os.path.exists(path):
+        return path
+    s = shape
+    cfg = Qwen3Config(model_type="qwen3", vocab_size=s["vocab"], hidden_size=s["hidden"],
+                      intermediate_size=s["intermediate"], num_hidden_layers=s["layers"],
+                      num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"],
+                      rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=True)
+    H, KV, hd, D, F = s["heads"], s["kv_heads"], s["head_dim"], s["hidden"], s["intermediate"]
+    plan = [("token_embd.weight", (s["vocab"], D))]
+    for i in range(s["layers"]):
+        p = f"blk.{i}."
+        plan += [(p + "attn_norm.weight", (D,)), (p + "attn_q.weight", (H * hd, D)), (p + "attn_k.weight", (KV * hd, D)),
+                 (p + "attn_v.weight", (KV * hd, D)), (p + "attn_output.weight", (D, H * hd)),
+                 (p + "attn_q_norm.weight", (hd,)), (p + "attn_k_norm.weight", (hd,)), (p + "ffn_norm.weight", (D,)),
+                 (p + "ffn_gate.weight", (F, D)), (p + "ffn_up.weight", (F, D)), (p + "ffn_down.weight", (D, F))]
+    plan.append(("output_norm.weight", (D,)))
+    os.makedirs(CACHE, exist_ok=True)
+    tok_dir = tempfile.mkdtemp(dir=CACHE)
+    try:
+        tiny_models.write_tokenizer(tok_dir)
+        shutil.copyfile(os.path.join(tiny_models.FIXTURES, "qwen3", "chat_template.jinja"),
+                        os.path.join(tok_dir, "chat_template.jinja"))
+        w = gguf.GGUFWriter(path + ".tmp", "qwen3")
+        write_hparams(w, cfg, f"random-qwen3-1.7b-{qtype_name.lower()}", f"MOSTLY_{qtype_name}")
+        write_tokenizer(w, tok_dir, cfg.vocab_size, {"bos_token_id": 151643, "eos_token_id": 151645})
+    finally:
+        shutil.rmtree(tok_dir, ignore_errors=True)
+    qtype = getattr(gguf.GGMLQuantizationType, qtype_name)
+    bs, nb = gguf.GGML_QUANT_SIZES[qtype]
+    for name, shp in plan:
+        if len(shp) == 1:
+            w.add_tensor_info(name, shp, np.dtype(np.float32), shp[0] * 4)
+        else:
+            byte_shape = (shp[0], shp[1] // bs * nb)
+            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), byte_shape[0] * byte_shape[1], raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(0)
+    for name, shp in plan:
+        w.write_tensor_data(np.ones(shp, np.float32) if len(shp) == 1 else random_blocks(rng, qtype_name, *shp))
+    w.close()
+    os.replace(path + ".tmp", path)
+    return path
+
+
+# -- measurements -------------------------------------------------------------------------------------------------
+def copy_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> float:
+    """Bytes/s of a single-threaded numpy copy, counting read + write."""
+    src = np.ones(nbytes // 8, np.float64)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(reps))
+    return 2 * nbytes / best
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def weight_bytes_per_token(path: str) -> int:
+    """Bytes of every matrix read for one decoded token (the embedding table counts once when tied)."""
+    r = open_gguf(path)
+    names = {t.name for t in r.tensors}
+    total = 0
+    for t in r.tensors:
+        if t.name == "token_embd.weight" and "output.weight" in names:
+            continue  # untied: only one embedding row is read
+        total += int(t.n_bytes)
+    return total
+
+
+class Ours:
+    def __init__(self, path: str, prompt_len: int, decode: int):
+        self.lm = load_model(path, context_length=prompt_len + decode + 8, prefill_chunk=prompt_len)
+        self.prompt_len, self.decode = prompt_len, decode
+
+    def run(self, prompt_len: int, decode: int) -> tuple[float, float]:
+        """(prefill tok/s, decode tok/s) of one greedy generation over a random prompt."""
+        rng = np.random.default_rng(0)
+        prompt = [int(t) for t in rng.integers(100, min(self.lm.config.vocab_size, 30000), prompt_len)]
+        req = GenerationRequest(prompt, SamplingParams(temperature=0.0), max_tokens=decode, ignore_eos=True)
+        fin = list(self.lm.engine.generate(req))[-1]
+        return prompt_len / (fin.timings.prefill_ms / 1000.0), fin.timings.tok_s
+
+
+def bench_model(label: str, path: str, threads: list[int], runs: int, prompt_len: int, decode: int,
+                bandwidth: float, peer) -> list[dict]:
+    rows = []
+    wb = weight_bytes_per_token(path)
+    ours = Ours(path, prompt_len, decode)
+    for n in threads:
+        kernels.set_threads(n)
+        with peer.LlamaCppPeer(path, n_threads=n, n_ctx=prompt_len + decode + 8) as theirs:
+            ours.run(16, 4)  # warm-up: page the weights in, build pools
+            theirs.bench(16, 4, runs=1, warmup=False)
+            o_pre, o_dec, t_pre, t_dec = [], [], [], []
+            for _ in range(runs):  # interleaved
+                p, d = ours.run(prompt_len, decode)
+                o_pre.append(p)
+                o_dec.append(d)
+                r = theirs.bench(prompt_len, decode, runs=1, warmup=False)
+                t_pre.append(r["prefill_tok_s"])
+                t_dec.append(r["decode_tok_s"])
+        row = dict(model=label, threads=n, ours_dec=statistics.median(o_dec), llama_dec=statistics.median(t_dec),
+                   ours_pre=statistics.median(o_pre), llama_pre=statistics.median(t_pre), weight_mb=wb / 1e6,
+                   limit=bandwidth / wb, runs=dict(ours_dec=o_dec, llama_dec=t_dec, ours_pre=o_pre, llama_pre=t_pre))
+        rows.append(row)
+        print_row(row, file=sys.stderr)
+    return rows
+
+
+HEADER = (f"{'model':<16}{'thr':>4}{'dec ours':>10}{'dec llama':>10}{'ratio':>7}{'pre ours':>10}{'pre llama':>10}"
+          f"{'ratio':>7}{'MB/tok':>8}{'BW lim':>8}{'ours %':>8}{'llama %':>8}")
+
+
+def print_row(r: dict, file=sys.stdout) -> None:
+    print(f"{r['model']:<16}{r['threads']:>4}{r['ours_dec']:>10.2f}{r['llama_dec']:>10.2f}"
+          f"{r['ours_dec'] / r['llama_dec']:>7.2f}{r['ours_pre']:>10.1f}{r['llama_pre']:>10.1f}"
+          f"{r['ours_pre'] / r['llama_pre']:>7.2f}{r['weight_mb']:>8.0f}{r['limit']:>8.1f}"
+          f"{100 * r['ours_dec'] / r['limit']:>7.0f}%{100 * r['llama_dec'] / r['limit']:>7.0f}%", file=file, flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="smollm2,q8_0,q4_0")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--decode", type=int, default=128)
+    args = ap.parse_args(argv)
+    peer = peer_module()
+    peer.ensure_peer()
+    threads = [int(t) for t in args.threads.split(",")]
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e9:.1f} GB/s (numpy, 1 thread, read+write); native library: "
+          f"{kernels.available() and kernels.simd_name()}; peer: {peer.PACKAGE}", flush=True)
+    rows = []
+    for m in args.models.split(","):
+        if m == "smollm2":
+            label, path = "smollm2-135m-q41", fetch_smollm2()
+        else:
+            label = f"qwen3-1.7b-{m}"
+            path = write_random_qwen3(os.path.join(CACHE, f"random-qwen3-1.7b-{m}.gguf"), m.upper())
+        rows += bench_model(label, path, threads, args.runs, args.prompt, args.decode, bw, peer)
+    print(f"\ndecode: {args.decode} tokens; prefill: {args.prompt}-token prompt; median of {args.runs} interleaved runs; "
+          "tok/s; ratio = ours / llama.cpp; BW lim = copy bandwidth / weight bytes per token (tok/s)")
+    print(HEADER)
+    for r in rows:
+        print_row(r)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

