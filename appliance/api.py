@@ -70,7 +70,7 @@ class Api:
     # ---- dispatch --------------------------------------------------------------------------------------
     async def __call__(self, ex: Exchange) -> None:
         path = ex.path.rstrip("/") or "/"
-        endpoint = path if path in self.routes or path.startswith("/v1/models/") else "other"
+        endpoint = path if path in self.routes else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
         try:
             handlers = self.routes.get(path)
             if handlers is None and path.startswith("/v1/models/"):
