@@ -18,6 +18,8 @@ PYINSTALLER_VERSION=${PYINSTALLER_VERSION:-6.22.3}
 START=$(date +%s)
 
 mkdir -p "$CACHE"
+exec 9>"$CACHE/build-$ARCH.lock"
+flock 9  # one build at a time per cache (the venv and PyInstaller's work directory are shared)
 if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi

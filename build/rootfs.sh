@@ -15,6 +15,10 @@ MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 HERE=$(cd "$(dirname "$0")" && pwd)
 STAMP="$ARCH $SUITE minbase include=$INCLUDE"
 
+mkdir -p "$(dirname "$DEST")"
+exec 9>"$DEST.lock"
+flock 9  # two test runs (or a test and a build) wanting the same root wait for one debootstrap
+
 if [ -f "$DEST/.kestrel-rootfs-ok" ] && [ "$(cat "$DEST/.kestrel-rootfs-ok")" = "$STAMP" ]; then
     echo "rootfs: reusing $DEST ($STAMP)" >&2
     exit 0
