@@ -66,6 +66,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args(argv)
+    # torch's OpenMP workers otherwise spin after each call and steal the cores from our next run
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
     import numpy as np
     import torch
