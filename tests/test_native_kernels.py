@@ -64,7 +64,7 @@ def test_x8_layout_matmul_is_bit_exact(qtype, level):
     kernels.set_simd_level(level)
     rng = np.random.default_rng(70 + 10 * level + int(qtype))
     for rows, nb, T in [(1, 1, 1), (7, 3, 1), (9, 2, 5), (37, 4, 13), (16, 1, 4)]:
-        n = 32 * nb
+        n = BLOCK[qtype][0] * nb
         w = random_weight(qtype, rows, n, rng)
         w8 = kernels.repack_x8(qtype, w)
         np.testing.assert_array_equal(w8, twins.repack_x8(qtype, w))

@@ -193,18 +193,23 @@ def repack_x8(qtype, w: np.ndarray) -> np.ndarray:
     """Rows of a Q8_0/Q4_0/Q4_1 tensor -> the x8 layout the fastest kernels read (twins.repack_x8)."""
     qtype = QType(int(qtype))
     w, n = _rows(qtype, w)
-    if qtype not in (QType.Q8_0, QType.Q4_0, QType.Q4_1):
+    if qtype not in (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K):
         raise ValueError(f"{qtype.name} has no x8 layout")
-    out = np.empty(((w.shape[0] + 7) // 8, w.shape[1] * 8), np.uint8)
+    out = np.empty(((w.shape[0] + 7) // 8, x8_row_bytes(qtype, n)), np.uint8)
     _lib.kq_repack_x8(int(qtype), _ptr(w), w.shape[0], n, _ptr(out))
     return out
+
+
+def x8_row_bytes(qtype: QType, n: int) -> int:
+    """Bytes of one group of 8 rows of length n in the x8 layout."""
+    return n // 256 * 1184 if qtype == QType.Q4_K else row_bytes(qtype, n) * 8
 
 
 def matmul_x8(qtype, w8: np.ndarray, rows: int, x: np.ndarray) -> np.ndarray:
     qtype = QType(int(qtype))
     x = _f32(x)
     n = x.shape[1]
-    if w8.shape != ((rows + 7) // 8, row_bytes(qtype, n) * 8) or not w8.flags.c_contiguous:
+    if w8.shape != ((rows + 7) // 8, x8_row_bytes(qtype, n)) or not w8.flags.c_contiguous:
         raise ValueError("x8 weights do not match rows and input width")
     out = np.empty((x.shape[0], rows), np.float32)
     if x.shape[0] and rows:

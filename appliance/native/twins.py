@@ -100,7 +100,8 @@ def matmul(qtype, w: np.ndarray, x: np.ndarray) -> np.ndarray:
     raise ValueError(qtype)  # pragma: no cover
 
 
-X8_TYPES = (QType.Q8_0, QType.Q4_0, QType.Q4_1)
+X8_TYPES = (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K)
+Q4K_X8_BYTES = 1184  # one Q4_K super-block of 8 rows in the x8 layout
 
 
 def repack_x8(qtype, w: np.ndarray) -> np.ndarray:
@@ -112,6 +113,13 @@ def repack_x8(qtype, w: np.ndarray) -> np.ndarray:
     R, nb, bpb = b.shape
     G = -(-R // 8)
     b = np.concatenate([b, np.zeros((G * 8 - R, nb, bpb), np.uint8)]).reshape(G, 8, nb, bpb).transpose(0, 2, 1, 3)
+    if qtype == QType.Q4_K:  # d[8], dmin[8], scales and mins as bytes [sub-block][row], quants in 4-byte slices
+        sc, mn = q4k_scales_mins(b[..., 4:16])  # (G, nb, 8 rows, 8 sub-blocks)
+        qs = b[..., 16:].reshape(G, nb, 8, 4, 8, 4).transpose(0, 1, 3, 4, 2, 5).reshape(G, nb, 1024)
+        parts = [b[..., 0:2].reshape(G, nb, 16), b[..., 2:4].reshape(G, nb, 16),
+                 sc.transpose(0, 1, 3, 2).reshape(G, nb, 64).astype(np.uint8),
+                 mn.transpose(0, 1, 3, 2).reshape(G, nb, 64).astype(np.uint8), qs]
+        return np.ascontiguousarray(np.concatenate(parts, axis=-1).reshape(G, -1))
     head = 4 if qtype == QType.Q4_1 else 2
     parts = [b[..., 0:2].reshape(G, nb, 16)]  # (G, nb, 8 scales)
     if head == 4:
@@ -125,9 +133,22 @@ def repack_x8(qtype, w: np.ndarray) -> np.ndarray:
 def unpack_x8(qtype, w8: np.ndarray, rows: int) -> np.ndarray:
     """Inverse of repack_x8: back to (rows, row_bytes)."""
     qtype = QType(int(qtype))
+    G = w8.shape[0]
+    if qtype == QType.Q4_K:
+        o = w8.reshape(G, -1, Q4K_X8_BYTES)  # (G, nb, bytes)
+        nb = o.shape[1]
+        sc = o[..., 32:96].reshape(G, nb, 8, 8).transpose(0, 1, 3, 2).astype(np.uint8)  # (G, nb, row, sub)
+        mn = o[..., 96:160].reshape(G, nb, 8, 8).transpose(0, 1, 3, 2).astype(np.uint8)
+        packed = np.empty((G, nb, 8, 12), np.uint8)
+        packed[..., 0:4] = sc[..., 0:4] | ((sc[..., 4:8] >> 4) << 6)
+        packed[..., 4:8] = mn[..., 0:4] | ((mn[..., 4:8] >> 4) << 6)
+        packed[..., 8:12] = (sc[..., 4:8] & 0x0F) | ((mn[..., 4:8] & 0x0F) << 4)
+        qs = o[..., 160:].reshape(G, nb, 4, 8, 8, 4).transpose(0, 1, 4, 2, 3, 5).reshape(G, nb, 8, 128)
+        blocks = np.concatenate([o[..., 0:16].reshape(G, nb, 8, 2), o[..., 16:32].reshape(G, nb, 8, 2), packed, qs],
+                                axis=-1)  # (G, nb, row, 144)
+        return blocks.transpose(0, 2, 1, 3).reshape(G * 8, -1)[:rows]
     head = 4 if qtype == QType.Q4_1 else 2
     q = 32 if qtype == QType.Q8_0 else 16
-    G = w8.shape[0]
     o = w8.reshape(G, -1, 8 * (head + q))  # (G, nb, 8 blocks' bytes)
     nb = o.shape[1]
     d = o[..., 0:16].reshape(G, nb, 8, 2)

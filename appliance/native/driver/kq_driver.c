@@ -52,7 +52,7 @@ int main(void) {
         case OP_REPACK_X8: {
             int64_t qt = rd64(), rows = rd64(), n = rd64(), wb = rd64();
             uint8_t *w = rdbuf((size_t)wb);
-            int64_t ob = ((rows + 7) / 8) * (int64_t)kq_row_bytes((int)qt, n) * 8;
+            int64_t ob = ((rows + 7) / 8) * (qt == KQ_Q4_K ? (n / 256) * KQ_Q4K_X8_BYTES : (int64_t)kq_row_bytes((int)qt, n) * 8);
             uint8_t *out = malloc((size_t)ob + 1);
             kq_repack_x8((int)qt, w, rows, n, out);
             reply(out, ob);

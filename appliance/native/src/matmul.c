@@ -177,6 +177,7 @@ void kq_kernels_scalar(kq_kernels *k) {
     k->f32 = f32_scalar; k->f16 = f16_scalar; k->bf16 = bf16_scalar;
     k->x8 = kq_x8_group_scalar;
     k->quant32 = kq_quantize_q8_32_scalar;
+    k->x8k = kq_x8k_group_scalar;
 }
 
 /* ---------------- dispatch ---------------- */
@@ -303,7 +304,7 @@ typedef struct {
     const uint8_t *w;
     size_t gbytes;
     int64_t rows, nb, T;
-    const kq_act32 *act;
+    const void *act;
     float *out;
 } x8_ctx;
 
@@ -318,20 +319,24 @@ static void x8_task(void *c_, int64_t a, int64_t b) { /* row groups a .. b-1 */
 #endif
         int64_t r0 = 8 * g;
         int nr = c->rows - r0 < 8 ? (int)(c->rows - r0) : 8;
-        K.x8(c->qtype, c->w + (size_t)g * c->gbytes, c->nb, c->act, c->T, c->out, c->rows, r0, nr);
+        if (c->qtype == KQ_Q4_K)
+            K.x8k(c->w + (size_t)g * c->gbytes, c->nb, (const kq_act256 *)c->act, c->T, c->out, c->rows, r0, nr);
+        else
+            K.x8(c->qtype, c->w + (size_t)g * c->gbytes, c->nb, c->act, c->T, c->out, c->rows, r0, nr);
     }
 }
 
 static void quantize_act(const float *x, int64_t T, int64_t n, void *out, int k);
 
 static int matmul_x8(int qtype, const uint8_t *w, int64_t rows, int64_t n, const float *x, int64_t T, float *out) {
-    int bb = kq_x8_block_bytes(qtype);
-    if (!bb || n % 32 || rows <= 0 || T <= 0) return -1;
-    x8_ctx c = {.qtype = qtype, .w = w, .rows = rows, .nb = n / 32, .T = T, .out = out};
+    int bb = kq_x8_block_bytes(qtype), bs = qtype == KQ_Q4_K ? 256 : 32;
+    if (!bb || n % bs || rows <= 0 || T <= 0) return -1;
+    x8_ctx c = {.qtype = qtype, .w = w, .rows = rows, .nb = n / bs, .T = T, .out = out};
     c.gbytes = (size_t)c.nb * bb;
-    kq_act32 *scratch = kq_scratch(0, (size_t)(T * c.nb) * sizeof(kq_act32));
+    size_t ab = bs == 256 ? sizeof(kq_act256) : sizeof(kq_act32);
+    void *scratch = kq_scratch(0, (size_t)(T * c.nb) * ab);
     if (!scratch) return -2;
-    quantize_act(x, T, n, scratch, 0);
+    quantize_act(x, T, n, scratch, bs == 256);
     c.act = scratch;
     int64_t groups = (rows + 7) / 8;
     kq_parallel_for(groups, kq_chunk_for(groups), x8_task, &c);

@@ -11,11 +11,68 @@ int kq_x8_block_bytes(int qtype) {
     case KQ_Q8_0: return 8 * (int)sizeof(blk_q8_0);
     case KQ_Q4_0: return 8 * (int)sizeof(blk_q4_0);
     case KQ_Q4_1: return 8 * (int)sizeof(blk_q4_1);
+    case KQ_Q4_K: return KQ_Q4K_X8_BYTES;
     default: return 0;
     }
 }
 
+/* Q4_K x8 super-block group (1184 bytes): d[8], dmin[8] (fp16), the 6-bit scales and mins unpacked to
+ * bytes as [sub-block][row] (64 + 64), then the quants: for each 64-element chunk j, 8 slices of 4 bytes
+ * per row (low nibbles are sub-block 2j, high nibbles 2j+1, as in Q4_K). */
+static int repack_q4k_x8(const uint8_t *w, int64_t rows, int64_t n, uint8_t *out) {
+    size_t rb = kq_row_bytes(KQ_Q4_K, n);
+    int64_t nb = n / 256, groups = (rows + 7) / 8;
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *o = out + ((size_t)g * nb + b) * KQ_Q4K_X8_BYTES;
+            memset(o, 0, KQ_Q4K_X8_BYTES);
+            for (int r = 0; r < 8; r++) {
+                int64_t row = 8 * g + r;
+                if (row >= rows) continue;
+                const blk_q4_K *B = (const blk_q4_K *)(w + row * rb) + b;
+                memcpy(o + 2 * r, &B->d, 2);
+                memcpy(o + 16 + 2 * r, &B->dmin, 2);
+                int32_t sc[8], m[8];
+                kq_q4k_scales(B->scales, sc, m);
+                for (int s = 0; s < 8; s++) { o[32 + 8 * s + r] = (uint8_t)sc[s]; o[96 + 8 * s + r] = (uint8_t)m[s]; }
+                for (int j = 0; j < 4; j++)
+                    for (int k = 0; k < 8; k++) memcpy(o + 160 + (8 * j + k) * 32 + 4 * r, B->qs + 32 * j + 4 * k, 4);
+            }
+        }
+    return 0;
+}
+
+void kq_x8k_group_scalar(const uint8_t *grp, int64_t nb, const kq_act256 *act, int64_t T, float *out,
+                         int64_t ldo, int64_t r0, int nr) {
+    for (int r = 0; r < nr; r++)
+        for (int64_t t = 0; t < T; t++) {
+            const kq_act256 *A = act + t * nb;
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *o = grp + b * KQ_Q4K_X8_BYTES;
+                int32_t isum = 0, msum = 0;
+                for (int j = 0; j < 4; j++) {
+                    int32_t lo = 0, hi = 0;
+                    for (int k = 0; k < 8; k++)
+                        for (int i = 0; i < 4; i++) {
+                            uint8_t v = o[160 + (8 * j + k) * 32 + 4 * r + i];
+                            lo += (int32_t)(v & 0xF) * A[b].q[64 * j + 4 * k + i];
+                            hi += (int32_t)(v >> 4) * A[b].q[64 * j + 32 + 4 * k + i];
+                        }
+                    isum += o[32 + 8 * (2 * j) + r] * lo + o[32 + 8 * (2 * j + 1) + r] * hi;
+                }
+                for (int s = 0; s < 8; s++) msum += o[96 + 8 * s + r] * (A[b].bsums[2 * s] + A[b].bsums[2 * s + 1]);
+                float dd = kq_fp16_to_fp32(kq_ld16(o + 2 * r)) * A[b].d;
+                float dm = kq_fp16_to_fp32(kq_ld16(o + 16 + 2 * r)) * A[b].d;
+                acc = acc + dd * (float)isum;
+                acc = acc - dm * (float)msum;
+            }
+            out[t * ldo + r0 + r] = acc;
+        }
+}
+
 int kq_repack_x8(int qtype, const uint8_t *w, int64_t rows, int64_t n, uint8_t *out) {
+    if (qtype == KQ_Q4_K) return (n % 256) ? -1 : repack_q4k_x8(w, rows, n, out);
     int bb = kq_x8_block_bytes(qtype);
     size_t rb = kq_row_bytes(qtype, n);
     if (!bb || !rb || n % 32) return -1;
