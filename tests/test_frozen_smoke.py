@@ -1,0 +1,201 @@
+"""The one-file executable, run like a user runs it: copied alone into an empty directory with a model next to
+it, started with a clean environment (no source tree, no venv, no PYTHONPATH on the way).
+
+By default the x86_64 executable is built here with build/build_x86_64.sh (a couple of minutes). Set
+KESTREL_FROZEN_BINARY to test an existing one instead, e.g. the aarch64 build under qemu user-mode emulation
+(QEMU_LD_PREFIX is taken from KESTREL_QEMU_LD_PREFIX or the `sysroot` file build_aarch64.sh leaves next to
+the binary). Each run appends its figures (size, cold start) to ~/.cache/kestrel-build/smoke-<arch>.json.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CACHE = os.path.expanduser(os.environ.get("KESTREL_BUILD_CACHE", "~/.cache/kestrel-build"))
+ELF_MACHINES = {62: "x86_64", 183: "aarch64"}
+KEY = "sk-frozen-smoke"
+
+
+def elf_arch(path: str) -> str:
+    with open(path, "rb") as f:
+        head = f.read(20)
+    assert head[:4] == b"\x7fELF", f"{path} is not an ELF executable"
+    return ELF_MACHINES[int.from_bytes(head[18:20], "little")]
+
+
+@pytest.fixture(scope="session")
+def frozen_binary(tmp_path_factory) -> str:
+    given = os.environ.get("KESTREL_FROZEN_BINARY")
+    if given:
+        return os.path.abspath(given)
+    dist = str(tmp_path_factory.mktemp("dist"))
+    subprocess.run(["bash", os.path.join(REPO, "build", "build_x86_64.sh")], check=True,
+                   env={**os.environ, "KESTREL_DIST": dist})
+    return os.path.join(dist, "kestrel-appliance")
+
+
+@pytest.fixture
+def clean_dir(frozen_binary, tmp_path, tiny_qwen3_tied) -> dict:
+    """An empty directory holding only the executable, a model, a key file and a TMPDIR for the unpack."""
+    run = tmp_path / "appliance"
+    run.mkdir()
+    exe = str(run / "kestrel-appliance")
+    shutil.copy2(frozen_binary, exe)
+    shutil.copytree(tiny_qwen3_tied, run / "tiny-qwen3")
+    (run / "api-key").write_text(KEY + "\n")
+    (run / "tmp").mkdir()
+    arch = elf_arch(exe)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(run), "LANG": "C.UTF-8", "TMPDIR": str(run / "tmp")}
+    emulated = arch != platform.machine()
+    if emulated:  # run through binfmt_misc + qemu-user; the loader and libc come from the aarch64 sysroot
+        sysroot_file = os.path.join(os.path.dirname(frozen_binary), "sysroot")
+        env["QEMU_LD_PREFIX"] = os.environ.get("KESTREL_QEMU_LD_PREFIX") or open(sysroot_file).read().strip()
+        env["QEMU_CPU"] = "cortex-a76"
+    return {"dir": str(run), "exe": exe, "env": env, "arch": arch, "emulated": emulated,
+            "timeout": 600 if emulated else 120}
+
+
+def run_exe(c: dict, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([c["exe"], *args], cwd=c["dir"], env=c["env"], capture_output=True, text=True,
+                          timeout=timeout or c["timeout"])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(port: int, path: str) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def test_version_help_and_one_line_errors(clean_dir):
+    c = clean_dir
+    r = run_exe(c, "--version")
+    assert r.returncode == 0 and r.stdout.strip() == "kestrel-appliance 0.1.0", r
+    r = run_exe(c, "--help")
+    assert r.returncode == 0
+    for option in ("--model", "--host", "--port", "--api-key-file", "--threads", "--version"):
+        assert option in r.stdout
+    r = run_exe(c, "--model", "no-such-model")
+    assert r.returncode != 0 and r.stderr.strip() == "kestrel-appliance: error: model path does not exist: no-such-model"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        r = run_exe(c, "--model", "tiny-qwen3", "--port", str(busy.getsockname()[1]))
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and lines and lines[-1].startswith("kestrel-appliance: error:"), r.stderr
+    assert "Traceback" not in r.stderr
+    other = os.path.join(c["dir"], "gpt2-model")
+    os.mkdir(other)
+    with open(os.path.join(other, "config.json"), "w") as f:
+        json.dump({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, f)
+    r = run_exe(c, "--model", "gpt2-model", "--port", "0")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and lines[-1].startswith("kestrel-appliance: error:") and "gpt2" in lines[-1], r.stderr
+    assert "Traceback" not in r.stderr
+    assert os.listdir(os.path.join(c["dir"], "tmp")) == []  # every run removed its unpack directory
+
+
+def test_serves_a_streamed_chat_and_exits_0_on_sigterm(clean_dir, tmp_path):
+    from openai import OpenAI
+
+    c = clean_dir
+    notify_path = str(tmp_path / "notify")
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(notify_path)
+    notify.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # learn each sender's pid, as systemd does
+    port = free_port()
+    # As systemd runs the unit: NOTIFY_SOCKET, a 2 s watchdog, WATCHDOG_PID = the main process (the shell
+    # execs the executable, so $$ is the one-file bootloader's pid).
+    env = {**c["env"], "NOTIFY_SOCKET": notify_path, "WATCHDOG_USEC": "2000000"}
+    t0 = time.monotonic()
+    proc = subprocess.Popen(["/bin/sh", "-c", 'WATCHDOG_PID=$$ exec "$0" "$@"', c["exe"], "--model", "tiny-qwen3",
+                             "--host", "127.0.0.1", "--port", str(port), "--api-key-file", "api-key", "--threads", "2"],
+                            cwd=c["dir"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        cold_start = None
+        while time.monotonic() - t0 < c["timeout"]:
+            assert proc.poll() is None, proc.communicate()
+            try:
+                if get(port, "/health")[0] == 200:
+                    cold_start = time.monotonic() - t0
+                    break
+            except OSError:
+                pass
+            time.sleep(0.05)
+        assert cold_start is not None, "no /health 200 in time"
+
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=c["timeout"])
+        model = client.models.list().data[0].id
+        assert model == "tiny-qwen3"
+        t1 = time.monotonic()
+        chunks = list(client.chat.completions.create(model=model, stream=True, max_tokens=12, temperature=0,
+                                                     messages=[{"role": "user", "content": "Hello there"}]))
+        chat_s = time.monotonic() - t1
+        assert chunks[0].choices[0].delta.role == "assistant"
+        finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+        assert finishes in (["length"], ["stop"])
+
+        # the raw stream ends with the [DONE] sentinel (the client library swallows it)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=c["timeout"])
+        conn.request("POST", "/v1/chat/completions", body=json.dumps({
+            "model": model, "stream": True, "max_tokens": 5, "messages": [{"role": "user", "content": "Hi"}]}),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        resp = conn.getresponse()
+        body = resp.read().decode()
+        conn.close()
+        assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/event-stream")
+        events = [e for e in body.split("\n\n") if e.strip()]
+        assert events[-1] == "data: [DONE]" and len(events) >= 3, body
+
+        time.sleep(2.5)  # idle past one watchdog period: the pings must keep coming without requests
+        proc.send_signal(signal.SIGTERM)  # to the main process only, as KillMode=mixed does
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+    notify.settimeout(0.1)
+    messages, senders = [], set()
+    try:
+        while True:
+            data, anc, _, _ = notify.recvmsg(4096, socket.CMSG_SPACE(12))
+            messages.append(data.decode())
+            senders |= {int.from_bytes(d[:4], "little") for lvl, typ, d in anc if typ == socket.SCM_CREDENTIALS}
+    except OSError:
+        pass
+    notify.close()
+    kinds = [m.split("\n")[0] for m in messages]
+    assert "READY=1" in kinds and "STOPPING=1" in kinds and kinds.index("READY=1") < kinds.index("STOPPING=1"), kinds
+    assert kinds.count("WATCHDOG=1") >= 2, kinds
+    assert not any("MAINPID=" in m for m in messages)
+    # Python runs in a child of the bootloader: the unit needs NotifyAccess=all (and KillMode=mixed)
+    assert len(senders) == 1 and proc.pid not in senders, (senders, proc.pid)
+    assert os.listdir(os.path.join(c["dir"], "tmp")) == []
+
+    figures = {"arch": c["arch"], "emulated": c["emulated"], "binary_bytes": os.path.getsize(c["exe"]),
+               "cold_start_s": round(cold_start, 2), "first_stream_s": round(chat_s, 2), "when": time.time()}
+    print("frozen smoke:", figures)
+    os.makedirs(CACHE, exist_ok=True)
+    with open(os.path.join(CACHE, f"smoke-{c['arch']}.json"), "a") as f:
+        f.write(json.dumps(figures) + "\n")
