@@ -123,6 +123,10 @@ def set_native_threads(n: int) -> int | None:
     return kernels.set_threads(n, cpus)
 
 
+def host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def model_name(path: str) -> str:
     return os.path.basename(os.path.abspath(path).rstrip("/")) or "model"
 
@@ -210,7 +214,7 @@ async def serve(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
                     log.info("model %s ready (context %d tokens)", model_name(args.model),
                              worker.loaded.context_length)
                     systemd.notify_ready(f"serving {model_name(args.model)} on "
-                                         + ", ".join(f"{args.host}:{p}" for p in server.ports))
+                                         + ", ".join(host_port(args.host, p) for p in server.ports))
 
             async def watchdog() -> None:  # pings prove the event loop itself is alive
                 interval = systemd.watchdog_interval()
@@ -222,7 +226,7 @@ async def serve(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
             nursery.start_soon(on_loaded)
             nursery.start_soon(watchdog)
             await worker.start()
-            log.info("listening on %s", ", ".join(f"http://{args.host}:{p}" for p in server.ports))
+            log.info("listening on %s", ", ".join(f"http://{host_port(args.host, p)}" for p in server.ports))
             await server.serve()
             nursery.cancel_scope.cancel()
     worker.stop(timeout=2.0)

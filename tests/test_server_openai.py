@@ -119,3 +119,19 @@ def test_async_client_stream_and_non_stream(server):
 
     streamed, resp = asyncio.run(main())
     assert streamed == resp.choices[0].message.content and resp.usage.completion_tokens == 8
+
+
+def test_completions_echo_and_logprobs(client, server):
+    prompt = "The capital of France is"
+    plain = client.completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    echoed = client.completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                       extra_body={"ignore_eos": True})
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    lp = client.completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0, logprobs=2,
+                                   extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert len(lp.tokens) == 4 == len(lp.token_logprobs) == len(lp.top_logprobs)
+    if not any(t.startswith("bytes:") for t in lp.tokens):  # every token is whole UTF-8 text
+        assert "".join(lp.tokens) == plain.choices[0].text
+    assert all(len(alts) == 2 for alts in lp.top_logprobs)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
