@@ -63,7 +63,8 @@ http {{
 """
     with open(os.path.join(d, "nginx.conf"), "w") as f:
         f.write(conf)
-    proc = subprocess.Popen([NGINX, "-c", os.path.join(d, "nginx.conf"), "-p", d], stderr=subprocess.PIPE)
+    cmd = [NGINX, "-c", os.path.join(d, "nginx.conf"), "-p", d, "-e", os.path.join(d, "error.log")]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 10
     while True:
         try:
