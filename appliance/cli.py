@@ -5,8 +5,9 @@ Policies:
   `kestrel-appliance: error: ...` line on stderr and a non-zero exit, never a traceback.
 - Serving binds first (so /health answers 503 while the model loads), then loads the model on the engine
   thread; under systemd (Type=notify) READY=1 goes out once the model is loaded, WATCHDOG=1 pings come from
-  the event loop, STOPPING=1 at the first signal. SIGTERM/SIGINT: stop accepting, let in-flight requests finish within --grace seconds, cancel the
-  rest, exit 0. A second signal cancels at once.
+  the event loop, STOPPING=1 at the first signal.
+- SIGTERM/SIGINT: stop accepting, let in-flight requests finish within --grace seconds, cancel the rest,
+  exit 0. A second signal cancels at once.
 - --threads sizes the C kernels' pool and caps the BLAS/OpenMP pools (set before numpy is imported, so heavy
   imports happen inside the functions here, after argument parsing).
 """
