@@ -100,3 +100,24 @@ def test_q8_0_runs_in_llama_cpp_and_agrees(peer, moe_files):
     decisive = (top2[:, 1] - top2[:, 0]) > 0.1
     assert decisive.sum() >= len(PROMPT) // 2
     assert np.array_equal(ours.argmax(-1)[decisive], theirs.argmax(-1)[decisive])
+
+
+def test_experts_stay_mapped_and_pages_can_be_released(tmp_path):
+    from appliance.engine.page_release import mapping_rss
+    from appliance.engine.qwen3_moe import set_release_pages
+    from tests.support.tiny_models import build_qwen3_moe
+
+    # experts of 512 x 256 (139 kB each in Q8_0) so each spans whole pages
+    src = build_qwen3_moe(str(tmp_path / "m"), hidden=256, moe_intermediate=512, layers=1, seed=7)
+    path = str(tmp_path / "m.gguf")
+    assert convert.main([src, path, "--type", "q8_0"]) == 0
+    m = load_model(path).model
+    m.forward(np.array(PROMPT), m.new_cache(64), "none")
+    experts = m.layers[0].mlp.experts
+    assert all(e.gate.x8() is None for e in experts)  # products read the file's bytes, no private copy
+    used = {e for (_, e) in m.expert_stats.touched}
+    before = mapping_rss(experts[0].gate.raw)
+    assert before >= len(used) * 3 * experts[0].gate.nbytes
+    set_release_pages(m, True)
+    m.forward(np.array(PROMPT), m.new_cache(64), "none")
+    assert mapping_rss(experts[0].gate.raw) <= before - 0.9 * len(used) * 3 * experts[0].gate.nbytes

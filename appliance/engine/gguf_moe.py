@@ -1,8 +1,8 @@
 """Qwen3-MoE from GGUF (llama.cpp's `qwen3moe` architecture): stacked expert tensors sliced per expert.
 
 Policy: `blk.N.ffn_{gate,up,down}_exps.weight` hold all experts of a layer in one tensor (ne = [in, out, E]);
-each expert is a zero-copy slice of the mapped block data wrapped in QuantWeight, so decode reads only the
-routed experts' bytes. A layer is sparse when it has a router (`ffn_gate_inp`), dense otherwise. llama.cpp
+each expert is a zero-copy slice of the mapped block data wrapped in QuantWeight (never rearranged into a copy),
+so decode reads only the routed experts' bytes and resident memory follows the experts in use. A layer is sparse when it has a router (`ffn_gate_inp`), dense otherwise. llama.cpp
 always renormalises the top-k weights for qwen3moe, so the file's MoE config says norm_topk_prob=True unless
 the file states `expert_weights_norm`.
 """
@@ -36,7 +36,7 @@ def expert_slices(tensor) -> list:
     if tensor.tensor_type.name == "F32":
         return [DenseWeight(np.asarray(data[e], dtype=np.float32).reshape(n_out, n_in)) for e in range(n_exp)]
     raw = data.view(np.uint8).reshape(n_exp, n_out, -1)
-    return [QuantWeight(tensor.tensor_type, (n_out, n_in), raw[e]) for e in range(n_exp)]
+    return [QuantWeight(tensor.tensor_type, (n_out, n_in), raw[e], repack=False) for e in range(n_exp)]
 
 
 def moe_mlp(f, layer: int, stats: ExpertLoadStats, moe: MoEConfig):

@@ -8,7 +8,10 @@ as llama.cpp does); without it, the numpy path dequantizes a bounded slab of row
 in float32, so memory stays bounded and results stay close to the float reference.
 Q8_0/Q4_0/Q4_1 matrices are rearranged once, at their first product, into the row-interleaved x8 layout
 (same size, still quantized; ~1.5x faster decode, 2x prefill); embedding tables that are only looked up
-are never rearranged. KESTREL_REPACK=0 keeps every product on the file's own layout.
+are never rearranged. KESTREL_REPACK=0 keeps every product on the file's own layout. A rearranged matrix's file
+pages are released afterwards (page_release), so it is resident once, not twice. Mixture-of-experts experts
+are built with repack=False: they stay read in place from the mapping, so resident memory follows the experts
+actually used (and their pages can be released after use) instead of growing to the whole file.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import os
 
 import numpy as np
 
+from appliance.engine.page_release import release_pages
 from appliance.native import kernels
 from appliance.native.dequant_numpy import dequantize, get_rows
 from appliance.native.qtypes import QType, qtype_of, row_bytes
@@ -27,7 +31,7 @@ _SLAB_ELEMS = 1 << 22  # numpy path: dequantize at most this many weights (16 MB
 class QuantWeight:
     """A linear weight / embedding table over raw GGML data of type `qtype`, logical shape (out, in)."""
 
-    def __init__(self, qtype, shape, raw: np.ndarray, native: bool | None = None):
+    def __init__(self, qtype, shape, raw: np.ndarray, native: bool | None = None, repack: bool = True):
         self.qtype = qtype_of(qtype)
         out, n = (int(s) for s in shape)
         self.shape = (out, n)
@@ -43,6 +47,7 @@ class QuantWeight:
         self.native = kernels.available() if native is None else (native and kernels.available())
         self._native_matmul = None
         self._x8: np.ndarray | None = None
+        self.repack = repack
 
     def __repr__(self) -> str:
         return f"QuantWeight({self.qtype.name}, {self.shape}, native={self.native})"
@@ -66,8 +71,10 @@ class QuantWeight:
     def x8(self) -> np.ndarray | None:
         """The x8 layout of this matrix for the native kernels (made on first use), or None when its type
         has none, the library is missing or KESTREL_REPACK=0."""
-        if self._x8 is None and self.native and self.qtype in X8_TYPES and os.environ.get("KESTREL_REPACK") != "0":
+        if (self._x8 is None and self.repack and self.native and self.qtype in X8_TYPES
+                and os.environ.get("KESTREL_REPACK") != "0"):
             self._x8 = kernels.repack_x8(self.qtype, self.raw)
+            release_pages(self.raw)  # the products read the copy now; rows() and raw still page back in
         return self._x8
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
