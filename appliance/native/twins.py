@@ -100,7 +100,7 @@ def matmul(qtype, w: np.ndarray, x: np.ndarray) -> np.ndarray:
     raise ValueError(qtype)  # pragma: no cover
 
 
-X8_TYPES = (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K)
+X8_TYPES = (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q6_K)
 Q4K_X8_BYTES = 1184  # one Q4_K super-block of 8 rows in the x8 layout
 
 
@@ -113,6 +113,11 @@ def repack_x8(qtype, w: np.ndarray) -> np.ndarray:
     R, nb, bpb = b.shape
     G = -(-R // 8)
     b = np.concatenate([b, np.zeros((G * 8 - R, nb, bpb), np.uint8)]).reshape(G, 8, nb, bpb).transpose(0, 2, 1, 3)
+    if qtype == QType.Q6_K:  # d[8], int8 scales [group][row], then ql and qh in 4-byte row slices
+        parts = [b[..., 208:210].reshape(G, nb, 16), b[..., 192:208].transpose(0, 1, 3, 2).reshape(G, nb, 128),
+                 b[..., 0:128].reshape(G, nb, 8, 32, 4).transpose(0, 1, 3, 2, 4).reshape(G, nb, 1024),
+                 b[..., 128:192].reshape(G, nb, 8, 16, 4).transpose(0, 1, 3, 2, 4).reshape(G, nb, 512)]
+        return np.ascontiguousarray(np.concatenate(parts, axis=-1).reshape(G, -1))
     if qtype == QType.Q4_K:  # d[8], dmin[8], scales and mins as bytes [sub-block][row], quants in 4-byte slices
         sc, mn = q4k_scales_mins(b[..., 4:16])  # (G, nb, 8 rows, 8 sub-blocks)
         qs = b[..., 16:].reshape(G, nb, 8, 4, 8, 4).transpose(0, 1, 3, 4, 2, 5).reshape(G, nb, 1024)
@@ -134,6 +139,15 @@ def unpack_x8(qtype, w8: np.ndarray, rows: int) -> np.ndarray:
     """Inverse of repack_x8: back to (rows, row_bytes)."""
     qtype = QType(int(qtype))
     G = w8.shape[0]
+    if qtype == QType.Q6_K:
+        o = w8.reshape(G, -1, 1680)  # (G, nb, bytes)
+        nb = o.shape[1]
+        blocks = np.concatenate([
+            o[..., 144:1168].reshape(G, nb, 32, 8, 4).transpose(0, 1, 3, 2, 4).reshape(G, nb, 8, 128),
+            o[..., 1168:1680].reshape(G, nb, 16, 8, 4).transpose(0, 1, 3, 2, 4).reshape(G, nb, 8, 64),
+            o[..., 16:144].reshape(G, nb, 16, 8).transpose(0, 1, 3, 2),
+            o[..., 0:16].reshape(G, nb, 8, 2)], axis=-1)  # (G, nb, row, 210)
+        return blocks.transpose(0, 2, 1, 3).reshape(G * 8, -1)[:rows]
     if qtype == QType.Q4_K:
         o = w8.reshape(G, -1, Q4K_X8_BYTES)  # (G, nb, bytes)
         nb = o.shape[1]

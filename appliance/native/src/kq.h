@@ -79,7 +79,10 @@ typedef void (*kq_x8_fn)(int qtype, const uint8_t *grp, int64_t nb, const kq_act
 typedef void (*kq_quant32_fn)(const float *x, int64_t T, int64_t n, kq_act32 *out);
 typedef void (*kq_x8k_fn)(const uint8_t *grp, int64_t nb, const kq_act256 *act, int64_t T, float *out, int64_t ldo,
                           int64_t r0, int nr);
-typedef struct { kq_tile_fn q8_0, q4_0, q4_1, q4_K, q6_K, f32, f16, bf16; kq_x8_fn x8; kq_quant32_fn quant32; kq_x8k_fn x8k; } kq_kernels;
+typedef struct { kq_tile_fn q8_0, q4_0, q4_1, q4_K, q6_K, f32, f16, bf16; kq_x8_fn x8; kq_quant32_fn quant32; kq_x8k_fn x8k, x8q6; } kq_kernels;
+#define KQ_Q6K_X8_BYTES 1680 /* one Q6_K super-block of 8 rows in the x8 layout */
+void kq_x8q6_group_scalar(const uint8_t *grp, int64_t nb, const kq_act256 *act, int64_t T, float *out,
+                          int64_t ldo, int64_t r0, int nr);
 #define KQ_Q4K_X8_BYTES 1184 /* one Q4_K super-block of 8 rows in the x8 layout */
 void kq_x8k_group_scalar(const uint8_t *grp, int64_t nb, const kq_act256 *act, int64_t T, float *out,
                          int64_t ldo, int64_t r0, int nr);

@@ -178,6 +178,7 @@ void kq_kernels_scalar(kq_kernels *k) {
     k->x8 = kq_x8_group_scalar;
     k->quant32 = kq_quantize_q8_32_scalar;
     k->x8k = kq_x8k_group_scalar;
+    k->x8q6 = kq_x8q6_group_scalar;
 }
 
 /* ---------------- dispatch ---------------- */
@@ -319,7 +320,9 @@ static void x8_task(void *c_, int64_t a, int64_t b) { /* row groups a .. b-1 */
 #endif
         int64_t r0 = 8 * g;
         int nr = c->rows - r0 < 8 ? (int)(c->rows - r0) : 8;
-        if (c->qtype == KQ_Q4_K)
+        if (c->qtype == KQ_Q6_K)
+            K.x8q6(c->w + (size_t)g * c->gbytes, c->nb, (const kq_act256 *)c->act, c->T, c->out, c->rows, r0, nr);
+        else if (c->qtype == KQ_Q4_K)
             K.x8k(c->w + (size_t)g * c->gbytes, c->nb, (const kq_act256 *)c->act, c->T, c->out, c->rows, r0, nr);
         else
             K.x8(c->qtype, c->w + (size_t)g * c->gbytes, c->nb, c->act, c->T, c->out, c->rows, r0, nr);
@@ -329,7 +332,7 @@ static void x8_task(void *c_, int64_t a, int64_t b) { /* row groups a .. b-1 */
 static void quantize_act(const float *x, int64_t T, int64_t n, void *out, int k);
 
 static int matmul_x8(int qtype, const uint8_t *w, int64_t rows, int64_t n, const float *x, int64_t T, float *out) {
-    int bb = kq_x8_block_bytes(qtype), bs = qtype == KQ_Q4_K ? 256 : 32;
+    int bb = kq_x8_block_bytes(qtype), bs = (qtype == KQ_Q4_K || qtype == KQ_Q6_K) ? 256 : 32;
     if (!bb || n % bs || rows <= 0 || T <= 0) return -1;
     x8_ctx c = {.qtype = qtype, .w = w, .rows = rows, .nb = n / bs, .T = T, .out = out};
     c.gbytes = (size_t)c.nb * bb;

@@ -12,6 +12,7 @@ int kq_x8_block_bytes(int qtype) {
     case KQ_Q4_0: return 8 * (int)sizeof(blk_q4_0);
     case KQ_Q4_1: return 8 * (int)sizeof(blk_q4_1);
     case KQ_Q4_K: return KQ_Q4K_X8_BYTES;
+    case KQ_Q6_K: return KQ_Q6K_X8_BYTES;
     default: return 0;
     }
 }
@@ -71,8 +72,54 @@ void kq_x8k_group_scalar(const uint8_t *grp, int64_t nb, const kq_act256 *act, i
         }
 }
 
+/* Q6_K x8 super-block group (1680 bytes, as 8 rows of Q6_K): d[8] (fp16), the int8 scales as [group][row]
+ * (128), the low-bit bytes ql in 4-byte row slices (32 slices), then the high-bit bytes qh likewise (16). */
+static int repack_q6k_x8(const uint8_t *w, int64_t rows, int64_t n, uint8_t *out) {
+    size_t rb = kq_row_bytes(KQ_Q6_K, n);
+    int64_t nb = n / 256, groups = (rows + 7) / 8;
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *o = out + ((size_t)g * nb + b) * KQ_Q6K_X8_BYTES;
+            memset(o, 0, KQ_Q6K_X8_BYTES);
+            for (int r = 0; r < 8; r++) {
+                int64_t row = 8 * g + r;
+                if (row >= rows) continue;
+                const blk_q6_K *B = (const blk_q6_K *)(w + row * rb) + b;
+                memcpy(o + 2 * r, &B->d, 2);
+                for (int s = 0; s < 16; s++) o[16 + 8 * s + r] = (uint8_t)B->scales[s];
+                for (int s = 0; s < 32; s++) memcpy(o + 144 + 32 * s + 4 * r, B->ql + 4 * s, 4);
+                for (int s = 0; s < 16; s++) memcpy(o + 1168 + 32 * s + 4 * r, B->qh + 4 * s, 4);
+            }
+        }
+    return 0;
+}
+
+void kq_x8q6_group_scalar(const uint8_t *grp, int64_t nb, const kq_act256 *act, int64_t T, float *out,
+                          int64_t ldo, int64_t r0, int nr) {
+    for (int r = 0; r < nr; r++)
+        for (int64_t t = 0; t < T; t++) {
+            const kq_act256 *A = act + t * nb;
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *o = grp + b * KQ_Q6K_X8_BYTES;
+                int32_t isum = 0;
+                for (int e = 0; e < 256; e++) { /* element e of the row: half h, position l, part p */
+                    int h = e / 128, l = e % 32, p = (e % 128) / 32;
+                    int qlb = 64 * h + (p & 1) * 32 + l, qhb = 32 * h + l;
+                    uint8_t qlv = o[144 + 32 * (qlb / 4) + 4 * r + qlb % 4], qhv = o[1168 + 32 * (qhb / 4) + 4 * r + qhb % 4];
+                    int u = ((p & 2) ? qlv >> 4 : qlv & 0xF) | (((qhv >> (2 * p)) & 3) << 4);
+                    isum += (int8_t)o[16 + 8 * (e / 16) + r] * (u - 32) * A[b].q[e];
+                }
+                float dd = kq_fp16_to_fp32(kq_ld16(o + 2 * r)) * A[b].d;
+                acc = acc + dd * (float)isum;
+            }
+            out[t * ldo + r0 + r] = acc;
+        }
+}
+
 int kq_repack_x8(int qtype, const uint8_t *w, int64_t rows, int64_t n, uint8_t *out) {
     if (qtype == KQ_Q4_K) return (n % 256) ? -1 : repack_q4k_x8(w, rows, n, out);
+    if (qtype == KQ_Q6_K) return (n % 256) ? -1 : repack_q6k_x8(w, rows, n, out);
     int bb = kq_x8_block_bytes(qtype);
     size_t rb = kq_row_bytes(qtype, n);
     if (!bb || !rb || n % 32) return -1;
