@@ -1,7 +1,9 @@
 """Qwen3-30B-A3B-shaped mixture-of-experts, ours against llama.cpp on the same GGUF files, side by side in one
 run: decode tok/s (128 tokens) and prefill tok/s (256-token prompt), median of >= 3 interleaved runs, plus the
 bytes of weights read per decoded token against the dense equivalent (every expert read), and how many distinct
-(layer, expert) pairs one request (prefill + decode) read.
+(layer, expert) pairs one request (prefill + decode) read. Memory: the resident size (MB) of the file mapping after
+a request with expert pages kept, and after one with --moe-release-pages behaviour (madvise after each use),
+with the decode speed of that release run.
 
 The model has the real widths (hidden 2048, 128 experts, top-8, moe_intermediate 768, 32 heads, 4 KV heads,
 head_dim 128, vocab 151936) and fewer layers (default 4 of 48) so it fits this machine's time; random blocks
@@ -22,6 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gguf_bench import CACHE, Ours, copy_bandwidth, random_blocks  # noqa: E402
 
 from appliance.engine.gguf_model import open_gguf  # noqa: E402
+from appliance.engine.page_release import mapping_rss  # noqa: E402
+from appliance.engine.qwen3_moe import set_release_pages  # noqa: E402
 from appliance.native import kernels  # noqa: E402
 from tests.support.gguf_files import peer_module  # noqa: E402
 
@@ -127,7 +131,7 @@ def main(argv=None) -> int:
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.1f} GB/s; native library: {kernels.available()}", flush=True)
     print(f"{'type':<6}{'thr':>4}{'dec ours':>10}{'dec llama':>10}{'ratio':>7}{'pre ours':>10}{'pre llama':>10}"
-          f"{'ratio':>7}{'MB/tok':>8}{'dense MB':>9}{'experts read':>14}", flush=True)
+          f"{'ratio':>7}{'MB/tok':>8}{'dense MB':>9}{'experts read':>14}{'RSS kept':>10}{'released':>10}{'dec rel':>10}", flush=True)
     for t in args.types.split(","):
         path = write_random_moe(os.path.join(CACHE, f"random-qwen3-30b-a3b-{args.layers}l-{t}.gguf"), t.upper(),
                                 args.layers)
@@ -149,9 +153,15 @@ def main(argv=None) -> int:
                     r = theirs.bench(args.prompt, args.decode, runs=1, warmup=False)
                     t_pre.append(r["prefill_tok_s"])
                     t_dec.append(r["decode_tok_s"])
+                rss_kept = mapping_rss(ours.lm.model.layers[0].mlp.experts[0].gate.raw)  # the file mapping's RSS
+                set_release_pages(ours.lm.model, True)
+                rel_pre, rel_dec = ours.run(args.prompt, args.decode)
+                rss_released = mapping_rss(ours.lm.model.layers[0].mlp.experts[0].gate.raw)
+                set_release_pages(ours.lm.model, False)
             od, td, op, tp = (statistics.median(x) for x in (o_dec, t_dec, o_pre, t_pre))
             print(f"{t:<6}{n:>4}{od:>10.2f}{td:>10.2f}{od / td:>7.2f}{op:>10.1f}{tp:>10.1f}{op / tp:>7.2f}"
-                  f"{sparse / 1e6:>8.0f}{dense / 1e6:>9.0f}{statistics.median(per_tok):>8.0f}/{QWEN3_30B_A3B['experts'] * args.layers}", flush=True)
+                  f"{sparse / 1e6:>8.0f}{dense / 1e6:>9.0f}{statistics.median(per_tok):>8.0f}/{QWEN3_30B_A3B['experts'] * args.layers}"
+                  f"{rss_kept / 1e6:>10.0f}{rss_released / 1e6:>10.0f}{rel_dec:>10.2f}", flush=True)
     return 0
 
 
