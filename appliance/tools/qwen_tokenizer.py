@@ -18,6 +18,8 @@ import sys
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+from appliance.engine.tokenizer import bytes_to_unicode
+
 QWEN_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -35,19 +37,6 @@ QWEN3_ADDED_TOKENS = [
     ("<tool_response>", False), ("</tool_response>", False), ("<think>", False), ("</think>", False),
 ]
 FIRST_SPECIAL_ID = 151643
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
 
 
 def default_tiktoken_path() -> str:
