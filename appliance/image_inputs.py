@@ -53,7 +53,8 @@ def decode_data_uri(url: str) -> bytes:
         raise ImageError("malformed data URI")
     mime = (m.group("mime") or "").lower()
     if not mime.startswith("image/"):
-        raise ImageError(f"unsupported data URI type {mime or 'text/plain'!r} (send image/jpeg, image/png or image/webp)")
+        raise ImageError(f"unsupported data URI type {mime or 'text/plain'!r} "
+                         f"(send image/jpeg, image/png or image/webp)")
     if not m.group("b64"):
         raise ImageError("data URIs must be base64-encoded")
     payload = "".join(url[m.end():].split())  # clients may wrap base64 lines

@@ -49,7 +49,8 @@ def build(out_dir: str, text_layers: int) -> None:
     write_preprocessor_config(out_dir, min_pixels=65536, max_pixels=16777216)  # the 2B's own bounds
     import shutil
 
-    shutil.copyfile(os.path.join(FIXTURES, "qwen3_vl", "chat_template.jinja"), os.path.join(out_dir, "chat_template.jinja"))
+    shutil.copyfile(os.path.join(FIXTURES, "qwen3_vl", "chat_template.jinja"),
+                    os.path.join(out_dir, "chat_template.jinja"))
 
 
 def best_of(fn, repeat: int) -> tuple[float, object]:

@@ -18,9 +18,11 @@ TWO_IMAGES = [{"role": "user", "content": [
     {"type": "text", "text": "with"}, {"type": "image_url", "image_url": {"url": "b"}},
     {"type": "text", "text": "please."}]}]
 CONVERSATION = [
-    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a"}}, {"type": "text", "text": "What is it?"}]},
+    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a"}},
+                                 {"type": "text", "text": "What is it?"}]},
     {"role": "assistant", "content": "A gradient."},
-    {"role": "user", "content": [{"type": "text", "text": "And these two?"}, {"type": "image_url", "image_url": {"url": "b"}},
+    {"role": "user", "content": [{"type": "text", "text": "And these two?"},
+                                 {"type": "image_url", "image_url": {"url": "b"}},
                                  {"type": "image_url", "image_url": {"url": "c"}}]}]
 
 

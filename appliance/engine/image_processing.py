@@ -65,7 +65,8 @@ def decode_image(data: bytes, max_decoded_pixels: int = MAX_DECODED_PIXELS):
 
 def looks_supported(data: bytes) -> bool:
     """The file signature of a JPEG, PNG or WebP file."""
-    return data[:3] == b"\xff\xd8\xff" or data[:8] == b"\x89PNG\r\n\x1a\n" or (data[:4] == b"RIFF" and data[8:12] == b"WEBP")
+    return (data[:3] == b"\xff\xd8\xff" or data[:8] == b"\x89PNG\r\n\x1a\n"
+            or (data[:4] == b"RIFF" and data[8:12] == b"WEBP"))
 
 
 def to_rgb(img):

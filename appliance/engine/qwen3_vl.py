@@ -27,11 +27,8 @@ from .hf_checkpoint import build_decoder, dense_mlp, dense_weight
 from .image_processing import ImageError, ImageProcessor, PixelPatches
 from .kv_cache import KVCache
 from .safetensors import SafeTensors, to_float32
-from .weights import DenseWeight
 from .vision import Linear, PatchMerger, VisionBlock, VisionConfig, VisionTower
-
-IMAGE_PAD = "<|image_pad|>"
-
+from .weights import DenseWeight
 
 @dataclass
 class ImageState:
@@ -97,7 +94,8 @@ class Qwen3VLModel:
         for start, end in runs:
             feature_row[start:end] = np.arange(n, n + end - start)
             n += end - start
-        positions = mrope_positions(len(ids), runs, [img.grid_thw for img in images], self.vision.config.spatial_merge_size)
+        positions = mrope_positions(len(ids), runs, [img.grid_thw for img in images],
+                                    self.vision.config.spatial_merge_size)  # (3, prompt_len)
         cache.images = ImageState(
             positions=positions, feature_row=feature_row,
             embeds=np.concatenate(embeds) if embeds else np.zeros((0, self.config.hidden_size), np.float32),
@@ -210,7 +208,8 @@ def build_vision(st: SafeTensors, cfg: VisionConfig, prefix: str) -> VisionTower
                           vision_linear(st, f"{prefix}blocks.{i}.mlp.linear_fc1"),
                           vision_linear(st, f"{prefix}blocks.{i}.mlp.linear_fc2")) for i in range(cfg.depth)]
     deep = [merger(f"{prefix}deepstack_merger_list.{j}", True) for j in range(len(cfg.deepstack_visual_indexes))]
-    return VisionTower(cfg, patch, st.float32(prefix + "pos_embed.weight"), blocks, merger(prefix + "merger", False), deep)
+    return VisionTower(cfg, patch, st.float32(prefix + "pos_embed.weight"), blocks, merger(prefix + "merger", False),
+                       deep)
 
 
 def _prefix(st: SafeTensors, *candidates: str) -> str:
