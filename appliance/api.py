@@ -24,7 +24,7 @@ import trio
 from .engine.image_processing import ImageError
 from .generation import Generation
 from .h11_server import Exchange
-from .image_inputs import ImageBytesLimit, image_urls, prepare_images
+from .image_inputs import ImageBytesLimit, ImageTokensOverContext, image_urls, prepare_images
 from .protocol import prometheus
 from .protocol.assemble import ChatAssembler, CompletionAssembler
 from .protocol.chunks import model_list
@@ -153,11 +153,10 @@ class Api:
     def metric_values(self) -> dict[str, Any]:
         w, s = self.worker, self.worker.stats
         loaded = w.loaded
-        finished = Counter(t.finish_reason or "error" for t in s.traces)
         return {
             "kestrel_requests_total": {(("endpoint", e), ("code", str(c))): n
                                        for (e, c), n in sorted(self.requests.items())},
-            "kestrel_generations_total": {(("reason", r),): n for r, n in sorted(finished.items())},
+            "kestrel_generations_total": {(("reason", r),): n for r, n in sorted(s.finish_reasons.items())},
             "kestrel_prompt_tokens_total": s.prompt_tokens,
             "kestrel_generated_tokens_total": s.completion_tokens,
             "kestrel_prefill_seconds_total": s.prefill_seconds,
@@ -225,9 +224,12 @@ class Api:
         try:
             return await trio.to_thread.run_sync(lambda: prepare_images(
                 model.image_processor, model.image_token_id, ids, urls, allowed_dirs=self.cfg.image_dirs,
-                body_size=body_size, body_limit=ex.max_body))
+                body_size=body_size, body_limit=ex.max_body, max_tokens=loaded.context_length))
         except ImageBytesLimit as e:
             raise body_too_large(e.limit) from None
+        except ImageTokensOverContext as e:
+            raise ApiError(400, f"This model's maximum context length is {e.limit} tokens; {e}.", param="messages",
+                           code="context_length_exceeded") from None
         except ImageError as e:
             raise ApiError(400, str(e), param="messages", code="invalid_image") from None
 

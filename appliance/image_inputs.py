@@ -20,11 +20,19 @@ import re
 import stat
 from typing import Any, Sequence
 
-from .engine.image_processing import ImageError, ImageProcessor, PixelPatches
+from .engine.image_processing import ImageError, ImageProcessor, PixelPatches, decode_image
 from .engine.qwen3_vl import expand_image_pads
 
 _DATA_URI = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[^;,]*)*)(?P<b64>;base64)?,",
                        re.IGNORECASE)
+
+
+class ImageTokensOverContext(ImageError):
+    """The images alone need more tokens than the context holds."""
+
+    def __init__(self, tokens: int, limit: int):
+        super().__init__(f"the images need at least {tokens} tokens; the context holds {limit}")
+        self.tokens, self.limit = tokens, limit
 
 
 class ImageBytesLimit(ImageError):
@@ -110,17 +118,26 @@ def load_image_bytes(url: str, allowed_dirs: Sequence[str] = (), budget: int = 1
 
 def prepare_images(processor: ImageProcessor, image_token_id: int, prompt_ids: list[int],
                    urls: Sequence[tuple[str, str]], *, allowed_dirs: Sequence[str] = (), body_size: int = 0,
-                   body_limit: int = 1 << 62) -> tuple[list[int], list[PixelPatches]]:
+                   body_limit: int = 1 << 62, max_tokens: int = 1 << 62) -> tuple[list[int], list[PixelPatches]]:
     """Load and preprocess every image, expand each image-pad token into the image's token count.
-    Errors are ImageError with the part named (ImageBytesLimit when local files break the body limit)."""
+    Errors are ImageError with the part named (ImageBytesLimit when local files break the body limit,
+    ImageTokensOverContext as soon as the images' tokens alone pass max_tokens: later images are never
+    preprocessed, so a request cannot make the server hold more patches than one context's worth)."""
     patches = []
-    used = body_size
+    used, tokens = body_size, 0
     for where, url in urls:
         try:
             data = load_image_bytes(url, allowed_dirs, body_limit - used)
             if not url[:5].lower().startswith("data:"):
                 used += len(data)
-            patches.append(processor.load(data))
+            img = decode_image(data)
+            h, w = processor.target_size(img.height, img.width)
+            tokens += h * w // (processor.factor ** 2)
+            if tokens >= max_tokens:
+                raise ImageTokensOverContext(tokens, max_tokens)
+            patches.append(processor.preprocess(img))
+        except ImageTokensOverContext:
+            raise
         except ImageBytesLimit:
             raise ImageBytesLimit(body_limit) from None
         except ImageError as e:

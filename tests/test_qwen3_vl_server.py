@@ -193,7 +193,27 @@ def test_image_tokens_count_against_the_context(vl_dir):
             with pytest.raises(openai.BadRequestError) as e:
                 c.chat.completions.create(model="tiny", messages=[user("Describe it.", image_part(uri(PNG)))],
                                           max_tokens=2)
+            assert e.value.body["code"] == "context_length_exceeded"
+            with pytest.raises(openai.BadRequestError) as e:  # two images: refused while sizing them
+                c.chat.completions.create(model="tiny", messages=[user(image_part(uri(PNG)), image_part(uri(PNG)))])
     assert e.value.body["code"] == "context_length_exceeded"
+    assert "the images need at least 108" in e.value.body["message"]
+
+
+def test_images_over_the_context_are_refused_before_preprocessing_the_rest(monkeypatch):
+    from appliance import image_inputs
+    from appliance.engine.image_processing import ImageProcessor
+
+    proc = ImageProcessor(min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 64)
+    seen = []
+    real = ImageProcessor.preprocess
+    monkeypatch.setattr(ImageProcessor, "preprocess", lambda self, img: seen.append(img.size) or real(self, img))
+    urls = [(f"messages[0].content[{i}]", uri(PNG)) for i in range(5)]  # 54 tokens each
+    with pytest.raises(image_inputs.ImageTokensOverContext) as e:
+        image_inputs.prepare_images(proc, 151655, [151655] * 5, urls, max_tokens=120)
+    assert e.value.tokens == 162 and len(seen) == 2  # the third image is sized, never preprocessed
+    ids, patches = image_inputs.prepare_images(proc, 151655, [1, 151655, 2], urls[:1], max_tokens=120)
+    assert ids == [1] + [151655] * 54 + [2] and patches[0].num_tokens == 54
 
 
 def test_image_bytes_count_against_the_body_limit(client, server, image_dir):
