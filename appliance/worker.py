@@ -84,7 +84,8 @@ class WorkerStats:
     completion_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
-    traces: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))
+    finish_reasons: collections.Counter = field(default_factory=collections.Counter)  # 'error': engine raised
+    traces: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))  # the latest jobs
 
 
 class _Job:
@@ -165,6 +166,7 @@ class Worker:
         t = job.trace
         s = self.stats
         s.requests_finished += 1
+        s.finish_reasons[t.finish_reason or "error"] += 1
         if t.finish_reason == "cancelled":
             s.requests_cancelled += 1
             log.info("generation cancelled (client gone or shutdown) after %d prefill chunks and %d tokens; "

@@ -169,3 +169,22 @@ def test_keepalive_comments_during_a_long_prefill(server):
     assert b": prefill\n\n" in kinds[1:first_token]
     assert all(not e.startswith(b":") for e in kinds[first_token:])
     assert kinds[-1] == b"data: [DONE]\n\n"
+
+
+def test_metrics_count_cancellations_and_tokens(server):
+    n_before = len(server.traces())
+    a, ra = open_stream(server, chat_body("Going away", stream=True, max_tokens=2000, ignore_eos=True))
+    a.read_events(ra, stop_after=3)
+    a.close()
+    assert finished_trace(server, n_before).finish_reason == "cancelled"
+    c = RawClient(server.port)
+    c.send(request_bytes("GET", "/metrics"))
+    r = c.read_head()
+    text = c.read_body(r).decode()
+    c.close()
+    s = server.worker.stats
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    assert int(values["kestrel_cancelled_total"]) == s.requests_cancelled >= 1
+    assert int(values["kestrel_generated_tokens_total"]) == s.completion_tokens > 0
+    assert int(values['kestrel_generations_total{reason="cancelled"}']) >= 1
+    assert values["kestrel_busy"] == "0" and values["kestrel_queue_depth"] == "0"
