@@ -1,8 +1,6 @@
 """Image decoding and preprocessing against transformers' Qwen3-VL processor (PIL backend) and load_image."""
 import base64
 import io
-import struct
-import zlib
 
 import numpy as np
 import pytest
@@ -10,7 +8,7 @@ from PIL import Image
 from transformers.image_utils import load_image
 
 from appliance.engine.image_processing import ImageError, ImageProcessor, decode_image
-from tests.support.tiny_vl import cached_qwen3_vl, image_bytes, reference_processor
+from tests.support.tiny_vl import cached_qwen3_vl, image_bytes, png_with_size, reference_processor
 
 
 @pytest.fixture(scope="module")
@@ -88,14 +86,6 @@ def test_max_pixels_cap_lowers_the_token_count(vl_dir):
     assert capped.preprocess(img).num_tokens <= 8 < model_default.preprocess(img).num_tokens
     assert model_default.capped(32 * 32 * 8) == capped  # the --image-max-pixels path
     assert model_default.capped(1).max_pixels == model_default.min_pixels  # never below the model's minimum
-
-
-def png_with_size(width: int, height: int) -> bytes:
-    """A PNG whose header claims width x height (the pixel data is a few bytes)."""
-    def chunk(kind, body):
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b"")
 
 
 @pytest.mark.parametrize("data,message", [

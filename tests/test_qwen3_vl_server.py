@@ -16,7 +16,7 @@ from transformers.image_utils import load_image
 from appliance.engine.image_processing import ImageError
 from appliance.image_inputs import decode_data_uri, image_urls, load_image_bytes
 from tests.support.live_server import LiveServer, RawClient, request_bytes
-from tests.support.tiny_vl import cached_qwen3_vl, image_bytes, reference_processor
+from tests.support.tiny_vl import cached_qwen3_vl, image_bytes, png_with_size, reference_processor
 
 PNG = image_bytes(300, 200, "PNG", seed=11)
 JPEG = image_bytes(150, 250, "JPEG", seed=12)
@@ -172,6 +172,8 @@ def test_metrics_event_reports_image_tokens_and_encode_time(server):
     (uri(b"GIF89a" + b"\0" * 40, "image/gif"), "invalid_image", "unsupported image type"),
     (uri(PNG[:200]), "invalid_image", "corrupt"),
     (uri(b""), "invalid_image", "empty"),
+    (uri(png_with_size(100_000, 100_000)), "invalid_image", "too large"),
+    (uri(png_with_size(0, 10)), "invalid_image", "corrupt"),
     ("/etc/hostname", "invalid_image", "outside the allowed directories"),
     ("data:text/html;base64,PGgxPg==", "invalid_image", "unsupported data URI type"),
 ])

@@ -136,3 +136,14 @@ def image_bytes(width: int, height: int, fmt: str = "PNG", mode: str = "RGB", se
     buf = io.BytesIO()
     img.save(buf, fmt, **save)
     return buf.getvalue()
+
+
+def png_with_size(width: int, height: int) -> bytes:
+    """A PNG whose header claims width x height (the pixel data is a few bytes)."""
+    import struct
+    import zlib
+
+    def chunk(kind, body):
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b"")
