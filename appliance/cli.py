@@ -38,7 +38,7 @@ def version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="OpenAI-compatible Qwen3 inference service.")
     p.add_argument("--version", action="version", version=f"{PROG} {version()}")
-    p.add_argument("--model", metavar="PATH", required=True, help="Hugging Face model directory")
+    p.add_argument("--model", metavar="PATH", required=True, help="Hugging Face model directory or .gguf file")
     s = p.add_argument_group("serving")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ctx", type=int, metavar="N", help="context length in tokens (default: model's, max 4096)")
     s.add_argument("--threads", type=int, metavar="N", help="threads for numpy/BLAS")
     s.add_argument("--prefill-chunk", type=int, default=256, metavar="N", help="prompt tokens per prefill step")
+    s.add_argument("--moe-release-pages", action="store_true",
+                   help="mixture-of-experts models: give each expert's weight pages back to the kernel after use, "
+                        "so resident memory stays well under the file size (slower when experts repeat)")
     s.add_argument("--extension-events", action="store_true",
                    help="send the chat.completion.metrics / .tokens events on every stream by default")
     s.add_argument("--image-dir", action="append", default=[], metavar="DIR",
@@ -110,6 +113,9 @@ def _load(args: argparse.Namespace):
     if args.threads:
         set_native_threads(args.threads)
     loaded = load_model(args.model, context_length=args.ctx, prefill_chunk=args.prefill_chunk)
+    if args.moe_release_pages:
+        from .engine.qwen3_moe import set_release_pages
+        set_release_pages(loaded.model, True)
     if args.image_max_pixels and loaded.multimodal:
         loaded.model.image_processor = loaded.model.image_processor.capped(args.image_max_pixels)
     return loaded

@@ -118,3 +118,15 @@ def test_release_pages_drops_expert_pages_from_memory(tmp_path):
     assert 0 < used < 16
     expert_bytes = 3 * 512 * 256 * 2
     assert mapping_rss(experts_raw[0]) <= with_pages - 0.9 * used * expert_bytes
+
+
+def test_cli_release_pages_flag_keeps_the_answer(tiny_qwen3_moe):
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", "appliance", "--model", tiny_qwen3_moe, "--prompt", "Hello there",
+            "--temperature", "0", "--max-tokens", "12", "--no-think"]
+    plain = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    released = subprocess.run(args + ["--moe-release-pages"], capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0 and released.returncode == 0, released.stderr
+    assert len(plain.stdout) > 1 and released.stdout == plain.stdout
