@@ -38,6 +38,7 @@ fi
 BASE=$CACHE/rootfs-arm64-$SUITE-minbase
 ROOT=$CACHE/buildroot-arm64-$SUITE
 MOUNTS=()
+PIP_CERT_ENV=
 cleanup() {
     local i
     for (( i=${#MOUNTS[@]}-1; i>=0; i-- )); do umount -l "${MOUNTS[$i]}" 2>/dev/null || true; done
@@ -52,10 +53,13 @@ mount_chroot() {  # /proc, /dev, /sys and a pip cache inside the build root, onc
     mount --bind "$CACHE/pip-arm64" "$ROOT/root/.cache/pip" && MOUNTS+=("$ROOT/root/.cache/pip")
     cp -L /etc/resolv.conf "$ROOT/etc/resolv.conf"
     # pip in the chroot trusts what the host trusts (a proxy in front of PyPI may bring its own CA)
-    cp -L /etc/ssl/certs/ca-certificates.crt "$ROOT/etc/ssl/certs/host-ca-certificates.crt"
+    if [ -f /etc/ssl/certs/ca-certificates.crt ]; then
+        cp -L /etc/ssl/certs/ca-certificates.crt "$ROOT/etc/kestrel-build-host-ca.crt"
+        PIP_CERT_ENV=PIP_CERT=/etc/kestrel-build-host-ca.crt
+    fi
 }
 in_chroot() { mount_chroot; chroot "$ROOT" /usr/bin/env -i HOME=/root LANG=C.UTF-8 QEMU_CPU="$QEMU_CPU" \
-    DEBIAN_FRONTEND=noninteractive PIP_CERT=/etc/ssl/certs/host-ca-certificates.crt \
+    DEBIAN_FRONTEND=noninteractive ${PIP_CERT_ENV:-} \
     PATH=$PY_PREFIX/bin:/usr/local/bin:/usr/bin:/bin "$@"; }
 
 # 1. Debian root file system with the build packages (headers and libraries to link against, gcc for the

@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 
 import pytest
@@ -122,6 +123,20 @@ def test_serves_a_streamed_chat_and_exits_0_on_sigterm(clean_dir, tmp_path):
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(notify_path)
     notify.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # learn each sender's pid, as systemd does
+    notify.settimeout(0.2)
+    messages, senders, listening = [], set(), [True]
+
+    def drain() -> None:  # read as systemd does, all along (the datagram queue holds only ~10 messages)
+        while listening[0]:
+            try:
+                data, anc, _, _ = notify.recvmsg(4096, socket.CMSG_SPACE(12))
+            except OSError:
+                continue
+            messages.append(data.decode())
+            senders.update(int.from_bytes(d[:4], "little") for _, typ, d in anc if typ == socket.SCM_CREDENTIALS)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
     port = free_port()
     # As systemd runs the unit: NOTIFY_SOCKET, a 2 s watchdog, WATCHDOG_PID = the main process (the shell
     # execs the executable, so $$ is the one-file bootloader's pid).
@@ -174,16 +189,10 @@ def test_serves_a_streamed_chat_and_exits_0_on_sigterm(clean_dir, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+        time.sleep(0.5)  # the last datagrams in flight
+        listening[0] = False
+        reader.join()
 
-    notify.settimeout(0.1)
-    messages, senders = [], set()
-    try:
-        while True:
-            data, anc, _, _ = notify.recvmsg(4096, socket.CMSG_SPACE(12))
-            messages.append(data.decode())
-            senders |= {int.from_bytes(d[:4], "little") for lvl, typ, d in anc if typ == socket.SCM_CREDENTIALS}
-    except OSError:
-        pass
     notify.close()
     kinds = [m.split("\n")[0] for m in messages]
     assert "READY=1" in kinds and "STOPPING=1" in kinds and kinds.index("READY=1") < kinds.index("STOPPING=1"), kinds
