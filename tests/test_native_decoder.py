@@ -44,6 +44,11 @@ def test_ops_equal_twins():
                                    rtol=1e-5, atol=1e-5)
 
 
+def _numpy_layers(i, h):
+    """An identity hook: forward_hidden then runs its numpy layers (without one it takes the native path)."""
+    return h
+
+
 def _weight(kind, out, n, rng):
     if kind == "f32":
         return DenseWeight((rng.standard_normal((out, n)) * 0.1).astype(np.float32))
@@ -93,7 +98,7 @@ def test_native_decoder_equals_numpy_forward(flavour, kinds, tol):
         pos = ca.length + np.arange(len(tokens))
         cos, sin = qwen3.rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta)
         h = m.embed.rows(np.array(tokens))
-        want = qwen3.forward_hidden(m, h, ca, cos, sin)
+        want = qwen3.forward_hidden(m, h, ca, cos, sin, after_layer=_numpy_layers)
         got = dec.forward_hidden(h, cb, cos, sin)
         assert ca.length == cb.length
         for a, b in [(got, want)] + [(cb.k[i][:, :cb.length], ca.k[i][:, :ca.length])
@@ -126,3 +131,21 @@ def test_native_decoder_is_built_once_per_model():
     import gc
     gc.collect()
     assert key not in _BUILT
+
+
+def test_forward_hidden_takes_the_native_path_when_served():
+    from appliance.native.decoder import native_decoder
+    rng = np.random.default_rng(3)
+    m = _model("qwen3", ["Q8_0"], rng, L=1)
+    dec = native_decoder(m)
+    calls = []
+    orig = dec.forward_layers
+    dec.forward_layers = lambda *a: calls.append(1) or orig(*a)
+    cache = m.new_cache(16)
+    logits = m.forward(np.array([1, 2, 3]), cache)
+    assert calls == [1] and cache.length == 3 and logits.shape == (m.config.vocab_size,)
+    half = m.new_cache(16)
+    half.k = [a.astype(np.float16) for a in half.k]  # not a cache the C side writes: the numpy layers run
+    assert not dec.serves(half)
+    m.forward(np.array([1]), half)
+    assert calls == [1] and half.length == 1

@@ -119,6 +119,11 @@ def forward_hidden(model: Qwen3Model, h: np.ndarray, cache: KVCache, cos: np.nda
                    after_layer: Callable[[int, np.ndarray], np.ndarray] | None = None) -> np.ndarray:
     """Run every decoder layer on hidden states h (T, hidden) at the rotary angles cos/sin (T, hd/2);
     commits the T tokens to the cache and returns the final-normed hidden states (T, hidden)."""
+    if after_layer is None:  # the same layers in one C call when the native library serves every weight
+        from appliance.native.decoder import native_decoder
+        dec = native_decoder(model)
+        if dec is not None and dec.serves(cache):
+            return dec.forward_hidden(h, cache, cos, sin)
     cfg = model.config
     for i, layer in enumerate(model.layers):
         h = h + attention(cfg, layer.attn, rms_norm(h, layer.attn_norm, cfg.rms_norm_eps), cache, i, cos, sin)

@@ -106,6 +106,10 @@ class NativeDecoder:
             specs.append(spec)
         return cls(model, specs)
 
+    def serves(self, cache) -> bool:
+        """Whether this cache is one the C side writes: float32, contiguous (n_kv, max_len, head_dim)."""
+        return all(a.dtype == np.float32 and a.flags.c_contiguous for a in (*cache.k, *cache.v))
+
     def _cache_ptrs(self, cache):
         ptrs = self._caches.get(cache)
         if ptrs is None:
