@@ -9,7 +9,8 @@ the values) and cached in ~/.cache/kestrel-bench.
 
 Printed per row: both speeds, ours/llama.cpp ratios, and the fraction of the memory-bandwidth limit:
 limit tok/s = measured copy bandwidth / weight bytes read per token (every matrix once, the tied embedding
-table once as the LM head). Bandwidth is a single-threaded numpy copy of 512 MB, (read + write) / time.
+table once as the LM head). Bandwidth is a single-threaded numpy copy of 512 MB, (read + write) / time,
+measured again before each row (the machine is shared; the 1-minute load average is printed too).
 
     python bench/gguf_bench.py [--models smollm2,q8_0,q4_0] [--threads 1,2] [--runs 3]
 """
@@ -148,8 +149,7 @@ class Ours:
         return prompt_len / (fin.timings.prefill_ms / 1000.0), fin.timings.tok_s
 
 
-def bench_model(label: str, path: str, threads: list[int], runs: int, prompt_len: int, decode: int,
-                bandwidth: float, peer) -> list[dict]:
+def bench_model(label: str, path: str, threads: list[int], runs: int, prompt_len: int, decode: int, peer) -> list[dict]:
     rows = []
     wb = weight_bytes_per_token(path)
     ours = Ours(path, prompt_len, decode)
@@ -158,6 +158,8 @@ def bench_model(label: str, path: str, threads: list[int], runs: int, prompt_len
         with peer.LlamaCppPeer(path, n_threads=n, n_ctx=prompt_len + decode + 8) as theirs:
             ours.run(16, 4)  # warm-up: page the weights in, build pools
             theirs.bench(16, 4, runs=1, warmup=False)
+            bandwidth = copy_bandwidth()  # per row: the machine is shared, its load changes
+            load = os.getloadavg()[0]
             o_pre, o_dec, t_pre, t_dec = [], [], [], []
             for _ in range(runs):  # interleaved
                 p, d = ours.run(prompt_len, decode)
@@ -168,21 +170,22 @@ def bench_model(label: str, path: str, threads: list[int], runs: int, prompt_len
                 t_dec.append(r["decode_tok_s"])
         row = dict(model=label, threads=n, ours_dec=statistics.median(o_dec), llama_dec=statistics.median(t_dec),
                    ours_pre=statistics.median(o_pre), llama_pre=statistics.median(t_pre), weight_mb=wb / 1e6,
-                   limit=bandwidth / wb, runs=dict(ours_dec=o_dec, llama_dec=t_dec, ours_pre=o_pre, llama_pre=t_pre))
+                   limit=bandwidth / wb, bandwidth=bandwidth, load=load, runs=dict(ours_dec=o_dec, llama_dec=t_dec, ours_pre=o_pre, llama_pre=t_pre))
         rows.append(row)
         print_row(row, file=sys.stderr)
     return rows
 
 
-HEADER = (f"{'model':<16}{'thr':>4}{'dec ours':>10}{'dec llama':>10}{'ratio':>7}{'pre ours':>10}{'pre llama':>10}"
-          f"{'ratio':>7}{'MB/tok':>8}{'BW lim':>8}{'ours %':>8}{'llama %':>8}")
+HEADER = (f"{'model':<17}{'thr':>3}{'dec ours':>10}{'dec llama':>10}{'ratio':>7}{'pre ours':>10}{'pre llama':>10}"
+          f"{'ratio':>7}{'MB/tok':>8}{'GB/s':>6}{'BW lim':>8}{'ours %':>8}{'llama %':>8}{'load':>6}")
 
 
 def print_row(r: dict, file=sys.stdout) -> None:
-    print(f"{r['model']:<16}{r['threads']:>4}{r['ours_dec']:>10.2f}{r['llama_dec']:>10.2f}"
+    print(f"{r['model']:<17}{r['threads']:>3}{r['ours_dec']:>10.2f}{r['llama_dec']:>10.2f}"
           f"{r['ours_dec'] / r['llama_dec']:>7.2f}{r['ours_pre']:>10.1f}{r['llama_pre']:>10.1f}"
-          f"{r['ours_pre'] / r['llama_pre']:>7.2f}{r['weight_mb']:>8.0f}{r['limit']:>8.1f}"
-          f"{100 * r['ours_dec'] / r['limit']:>7.0f}%{100 * r['llama_dec'] / r['limit']:>7.0f}%", file=file, flush=True)
+          f"{r['ours_pre'] / r['llama_pre']:>7.2f}{r['weight_mb']:>8.0f}{r['bandwidth'] / 1e9:>6.1f}{r['limit']:>8.1f}"
+          f"{100 * r['ours_dec'] / r['limit']:>7.0f}%{100 * r['llama_dec'] / r['limit']:>7.0f}%{r['load']:>6.1f}",
+          file=file, flush=True)
 
 
 def main(argv=None) -> int:
@@ -196,8 +199,7 @@ def main(argv=None) -> int:
     peer = peer_module()
     peer.ensure_peer()
     threads = [int(t) for t in args.threads.split(",")]
-    bw = copy_bandwidth()
-    print(f"copy bandwidth {bw / 1e9:.1f} GB/s (numpy, 1 thread, read+write); native library: "
+    print(f"native library: "
           f"{kernels.available() and kernels.simd_name()}; peer: {peer.PACKAGE}", flush=True)
     rows = []
     for m in args.models.split(","):
@@ -206,9 +208,10 @@ def main(argv=None) -> int:
         else:
             label = f"qwen3-1.7b-{m}"
             path = write_random_qwen3(os.path.join(CACHE, f"random-qwen3-1.7b-{m}.gguf"), m.upper())
-        rows += bench_model(label, path, threads, args.runs, args.prompt, args.decode, bw, peer)
+        rows += bench_model(label, path, threads, args.runs, args.prompt, args.decode, peer)
     print(f"\ndecode: {args.decode} tokens; prefill: {args.prompt}-token prompt; median of {args.runs} interleaved runs; "
-          "tok/s; ratio = ours / llama.cpp; BW lim = copy bandwidth / weight bytes per token (tok/s)")
+          "tok/s; ratio = ours / llama.cpp;\nGB/s = numpy copy bandwidth (1 thread, read+write) measured before the row; "
+          "BW lim = that / weight bytes per token (tok/s); load = 1-min load average before the row (2 cores, shared)")
     print(HEADER)
     for r in rows:
         print_row(r)
