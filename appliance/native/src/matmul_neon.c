@@ -14,22 +14,26 @@ static inline int32x4_t dot16_mull(int32x4_t acc, int8x16_t a, int8x16_t b) {
 
 #define SFX(n) n##_neon
 #define DOT16(acc, a, b) dot16_mull((acc), (a), (b))
+#define DOTL(acc, a, b, lane) dot16_mull((acc), (a), vreinterpretq_s8_s32(vdupq_laneq_s32(vreinterpretq_s32_s8(b), lane)))
 #include "matmul_neon.inc"
 #define NC 4
 #include "matmul_x8_neon.inc"
 #undef NC
 #undef SFX
 #undef DOT16
+#undef DOTL
 
 #pragma GCC push_options
 #pragma GCC target("arch=armv8.2-a+dotprod")
 #define SFX(n) n##_neondot
 #define DOT16(acc, a, b) vdotq_s32((acc), (a), (b))
+#define DOTL(acc, a, b, lane) vdotq_laneq_s32((acc), (a), (b), lane) /* sdot by element: no broadcast load */
 #include "matmul_neon.inc"
 #define NC 4
 #include "matmul_x8_neon.inc"
 #undef NC
 #undef SFX
 #undef DOT16
+#undef DOTL
 #pragma GCC pop_options
 #endif
