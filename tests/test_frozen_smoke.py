@@ -208,3 +208,17 @@ def test_serves_a_streamed_chat_and_exits_0_on_sigterm(clean_dir, tmp_path):
     os.makedirs(CACHE, exist_ok=True)
     with open(os.path.join(CACHE, f"smoke-{c['arch']}.json"), "a") as f:
         f.write(json.dumps(figures) + "\n")
+
+
+def test_bundled_native_kernels_are_loaded_from_the_unpack_directory(clean_dir):
+    """The C library travels inside the executable and is found there (glibc's loader says what it loads)."""
+    c = clean_dir
+    env = {**c["env"], "LD_DEBUG": "files"}
+    r = subprocess.run([c["exe"], "--model", "tiny-qwen3", "--threads", "2", "--prompt", "Hi", "--max-tokens", "3",
+                        "--temperature", "0"], cwd=c["dir"], env=env, capture_output=True, text=True,
+                       timeout=c["timeout"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.endswith("\n")  # the one-shot answer ran to its end (a newline follows the last token)
+    unpack = os.path.join(c["dir"], "tmp", "_MEI")
+    loaded = [line for line in r.stderr.splitlines() if "calling init:" in line and "_kestrel_native" in line]
+    assert len(loaded) == 1 and loaded[0].split("calling init:")[1].strip().startswith(unpack), loaded
