@@ -159,3 +159,20 @@ def test_unit_settings_come_from_the_config_file():
     exec_start = re.search(r"^ExecStart=(.*)$", unit, re.M).group(1)
     used = set(re.findall(r"\$\{(\w+)\}", exec_start))
     assert used == set(read_env(os.path.join(IMAGE, "appliance.env")))
+
+
+def test_sysusers_entry_describes_the_account_install_made(target, tiny_qwen3_tied, tmp_path):
+    """The shipped sysusers.d entry (for images whose /etc is reset) makes the same account useradd made."""
+    assert install(target, tiny_qwen3_tied).returncode == 0
+    conf = os.path.join(target, "usr/lib/sysusers.d/kestrel-appliance.conf")
+    assert filecmp.cmp(conf, os.path.join(IMAGE, "kestrel-appliance.sysusers"), shallow=False)
+    made = passwd_entry(target, "passwd", "kestrel")
+    r = subprocess.run(["systemd-sysusers", f"--root={target}", "kestrel-appliance.conf"],  # found in the root
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "kestrel" not in r.stdout + r.stderr, r  # already there: nothing to do
+    assert passwd_entry(target, "passwd", "kestrel") == made
+    fresh = str(tmp_path / "fresh")
+    subprocess.run(["cp", "-a", ROOTFS, fresh], check=True)
+    r = subprocess.run(["systemd-sysusers", f"--root={fresh}", conf], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert passwd_entry(fresh, "passwd", "kestrel")[4:] == made[4:]  # same comment, home and shell
