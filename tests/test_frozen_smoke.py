@@ -222,3 +222,62 @@ def test_bundled_native_kernels_are_loaded_from_the_unpack_directory(clean_dir):
     unpack = os.path.join(c["dir"], "tmp", "_MEI")
     loaded = [line for line in r.stderr.splitlines() if "calling init:" in line and "_kestrel_native" in line]
     assert len(loaded) == 1 and loaded[0].split("calling init:")[1].strip().startswith(unpack), loaded
+
+
+def test_images_decode_in_the_frozen_executable(frozen_binary, tmp_path, tmp_path_factory):
+    """Pillow's codecs travel with the executable: PNG, JPEG and WebP images reach a tiny Qwen3-VL model and
+    count as image tokens; a broken image is a 400 error, not a crash."""
+    import base64
+
+    import openai
+    from openai import OpenAI
+
+    from tests.support.tiny_vl import cached_qwen3_vl, image_bytes
+
+    model_dir = cached_qwen3_vl(tmp_path_factory)
+    (tmp_path / "tmp").mkdir()
+    exe = str(tmp_path / "kestrel-appliance")
+    shutil.copy2(frozen_binary, exe)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "LANG": "C.UTF-8", "TMPDIR": str(tmp_path / "tmp")}
+    timeout = 120
+    if elf_arch(exe) != platform.machine():
+        sysroot_file = os.path.join(os.path.dirname(frozen_binary), "sysroot")
+        env["QEMU_LD_PREFIX"] = os.environ.get("KESTREL_QEMU_LD_PREFIX") or open(sysroot_file).read().strip()
+        env["QEMU_CPU"], timeout = "cortex-a76", 600
+    port = free_port()
+    proc = subprocess.Popen([exe, "--model", model_dir, "--port", str(port), "--log-level", "warning"],
+                            cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            assert proc.poll() is None, proc.communicate()
+            try:
+                if get(port, "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.05)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=timeout)
+        model = client.models.list().data[0].id
+
+        def ask(url: str | None):
+            content = [{"type": "text", "text": "What is in the picture?"}]
+            if url:
+                content.append({"type": "image_url", "image_url": {"url": url}})
+            return client.chat.completions.create(model=model, max_tokens=2, temperature=0,
+                                                  messages=[{"role": "user", "content": content}])
+
+        text_only = ask(None).usage.prompt_tokens
+        for fmt, mime in (("PNG", "png"), ("JPEG", "jpeg"), ("WEBP", "webp")):
+            data = base64.b64encode(image_bytes(64, 48, fmt)).decode()
+            r = ask(f"data:image/{mime};base64,{data}")
+            assert r.usage.prompt_tokens > text_only + 4, (fmt, r.usage)
+        with pytest.raises(openai.BadRequestError):
+            ask("data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\nnot really").decode())
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+        assert proc.returncode == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
