@@ -36,7 +36,9 @@ def version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="OpenAI-compatible Qwen3 inference service.")
+    p = argparse.ArgumentParser(prog=PROG, description="OpenAI-compatible Qwen3 inference service.",
+                                epilog="Convert a Hugging Face checkpoint to GGUF: %(prog)s convert HF_DIR OUT.gguf "
+                                       "--type q8_0|q4_0|f16|f32 (see %(prog)s convert --help).")
     p.add_argument("--version", action="version", version=f"{PROG} {version()}")
     p.add_argument("--model", metavar="PATH", required=True, help="Hugging Face model directory or .gguf file")
     s = p.add_argument_group("serving")
@@ -241,6 +243,10 @@ async def serve(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "convert":  # `kestrel-appliance convert HF_DIR OUT.gguf --type q8_0|q4_0|f16`
+        from .convert import main as convert_main
+        return convert_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     _positive(parser, args)

@@ -162,3 +162,17 @@ def test_loader_refuses_broken_files(tmp_path, tiny_qwen3_tied, gguf_dir):
     cut.write_bytes(open(good, "rb").read()[: os.path.getsize(good) // 2])
     with pytest.raises(ModelLoadError):
         load_model(str(cut))
+
+
+def test_convert_is_a_subcommand_of_the_cli(tiny_qwen3_tied, tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "via-cli.gguf"
+    p = subprocess.run([sys.executable, "-m", "appliance", "convert", tiny_qwen3_tied, str(out), "--type", "q8_0"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert load_model(str(out)).config.num_hidden_layers == 2
+    bad = subprocess.run([sys.executable, "-m", "appliance", "convert", str(tmp_path / "nope"), str(out)],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
