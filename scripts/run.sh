@@ -6,7 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+extras=""; [ "${KESTREL_RUN_MODEL:-smollm2}" = tiny ] && extras="[test]"  # the tiny model is built with transformers
+.venv/bin/pip install -q --disable-pip-version-check -e ".$extras" 2>&1 | { grep -v '^WARNING: Location' || true; }
 case "${KESTREL_RUN_MODEL:-smollm2}" in
   smollm2) model=$(.venv/bin/python scripts/fetch_smollm2.py) ;;
   tiny)
