@@ -124,12 +124,11 @@ def _load(args: argparse.Namespace):
 
 
 def set_native_threads(n: int) -> int | None:
-    """The C kernels' pool size (pinned to the big cores when the board has them); None without the library."""
-    from .native import cpu_topology, kernels
+    """The C kernels' pool size: big cores first, pinned, then the next biggest (None without the library)."""
+    from .native import kernels
     if not kernels.available():
         return None
-    _, cpus = cpu_topology.thread_plan()
-    return kernels.set_threads(n, cpus)
+    return kernels.configure_threads(n)
 
 
 def host_port(host: str, port: int) -> str:
