@@ -11,6 +11,7 @@ from __future__ import annotations
 import filecmp
 import os
 import re
+import shutil
 import stat
 import subprocess
 
@@ -31,10 +32,11 @@ def pristine_rootfs() -> str:
 
 
 @pytest.fixture
-def target(pristine_rootfs, tmp_path) -> str:
+def target(pristine_rootfs, tmp_path):
     root = str(tmp_path / "root")
     subprocess.run(["cp", "-a", pristine_rootfs, root], check=True)
-    return root
+    yield root
+    shutil.rmtree(root)  # 230 MB each; pytest keeps the temporary directories of three sessions
 
 
 def install(root: str, model: str, *args: str) -> subprocess.CompletedProcess:
@@ -173,6 +175,9 @@ def test_sysusers_entry_describes_the_account_install_made(target, tiny_qwen3_ti
     assert passwd_entry(target, "passwd", "kestrel") == made
     fresh = str(tmp_path / "fresh")
     subprocess.run(["cp", "-a", ROOTFS, fresh], check=True)
-    r = subprocess.run(["systemd-sysusers", f"--root={fresh}", conf], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    assert passwd_entry(fresh, "passwd", "kestrel")[4:] == made[4:]  # same comment, home and shell
+    try:
+        r = subprocess.run(["systemd-sysusers", f"--root={fresh}", conf], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert passwd_entry(fresh, "passwd", "kestrel")[4:] == made[4:]  # same comment, home and shell
+    finally:
+        shutil.rmtree(fresh)
