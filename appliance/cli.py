@@ -118,6 +118,7 @@ def _load(args: argparse.Namespace):
     if args.moe_release_pages:
         from .engine.qwen3_moe import set_release_pages
         set_release_pages(loaded.model, True)
+    loaded.engine.warm_up()
     if args.image_max_pixels and loaded.multimodal:
         loaded.model.image_processor = loaded.model.image_processor.capped(args.image_max_pixels)
     return loaded

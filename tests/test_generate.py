@@ -132,3 +132,12 @@ def test_load_errors_are_one_line(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match="cannot read"):
         load_model(str(tmp_path))
+
+
+def test_warm_up_leaves_the_cache_empty_and_output_unchanged(loaded):
+    ids = prompt(loaded)
+    before, _ = run(loaded, GenerationRequest(ids, GREEDY, max_tokens=6, ignore_eos=True))
+    loaded.engine.warm_up()
+    assert loaded.engine.cache.length == 0
+    after, _ = run(loaded, GenerationRequest(ids, GREEDY, max_tokens=6, ignore_eos=True))
+    assert [t.token_id for t in after] == [t.token_id for t in before]

@@ -92,6 +92,13 @@ class Engine:
         self.prefill_chunks_run = 0
         self.decode_steps_run = 0
 
+    def warm_up(self) -> None:
+        """One forward pass of a single token, so one-time work at a weight's first product (the native
+        kernels' row rearrangement, page faults) happens at load, not in the first request's latency."""
+        token = min(self.eos_ids) if self.eos_ids else 0
+        self.model.forward(np.asarray([token], dtype=np.int64), self.cache, "last")
+        self.cache.reset()
+
     def check_fits(self, prompt_len: int) -> None:
         if prompt_len == 0:
             raise ContextLengthError("the prompt is empty")
