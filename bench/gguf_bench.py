@@ -52,56 +52,78 @@ def random_blocks(rng, qtype_name: str, rows: int, cols: int) -> np.ndarray:
 
 
 def write_random_qwen3(path: str, qtype_name: str, shape: dict = QWEN3_1_7B) -> str:
-    import shutil
-    import tempfile
-
-    import gguf
-
-    from appliance.convert import write_hparams, write_tokenizer
     from appliance.engine.config import Qwen3Config
-    from tests.support import tiny_models
 
-    if os.path.exists(path):
-        return path
     s = shape
     cfg = Qwen3Config(model_type="qwen3", vocab_size=s["vocab"], hidden_size=s["hidden"],
                       intermediate_size=s["intermediate"], num_hidden_layers=s["layers"],
                       num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"],
                       rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=True)
-    H, KV, hd, D, F = s["heads"], s["kv_heads"], s["head_dim"], s["hidden"], s["intermediate"]
+    D, F = s["hidden"], s["intermediate"]
     plan = [("token_embd.weight", (s["vocab"], D))]
     for i in range(s["layers"]):
         p = f"blk.{i}."
-        plan += [(p + "attn_norm.weight", (D,)), (p + "attn_q.weight", (H * hd, D)), (p + "attn_k.weight", (KV * hd, D)),
-                 (p + "attn_v.weight", (KV * hd, D)), (p + "attn_output.weight", (D, H * hd)),
-                 (p + "attn_q_norm.weight", (hd,)), (p + "attn_k_norm.weight", (hd,)), (p + "ffn_norm.weight", (D,)),
-                 (p + "ffn_gate.weight", (F, D)), (p + "ffn_up.weight", (F, D)), (p + "ffn_down.weight", (D, F))]
+        plan += attention_plan(p, s) + [(p + "ffn_gate.weight", (F, D)), (p + "ffn_up.weight", (F, D)),
+                                        (p + "ffn_down.weight", (D, F))]
     plan.append(("output_norm.weight", (D,)))
+    return write_random_gguf(path, cfg, plan, qtype_name, f"random-qwen3-1.7b-{qtype_name.lower()}")
+
+
+def attention_plan(p: str, s: dict) -> list[tuple[str, tuple]]:
+    """A Qwen3 layer's norms and attention tensors (GGUF names, numpy shapes)."""
+    H, KV, hd, D = s["heads"], s["kv_heads"], s["head_dim"], s["hidden"]
+    return [(p + "attn_norm.weight", (D,)), (p + "attn_q.weight", (H * hd, D)), (p + "attn_k.weight", (KV * hd, D)),
+            (p + "attn_v.weight", (KV * hd, D)), (p + "attn_output.weight", (D, H * hd)),
+            (p + "attn_q_norm.weight", (hd,)), (p + "attn_k_norm.weight", (hd,)), (p + "ffn_norm.weight", (D,))]
+
+
+def write_random_gguf(path: str, cfg, plan: list[tuple[str, tuple]], qtype_name: str, name: str, moe=None,
+                      f32: tuple[str, ...] = ()) -> str:
+    """A GGUF of random weights for speed measurements: 1-D tensors are ones, tensors named in `f32` are
+    zero-mean random float32 (routers), every other tensor is random blocks of `qtype_name` (2-D or stacked 3-D).
+    The Qwen tokenizer and chat template go in the metadata, so both engines load it as a chat model."""
+    import shutil
+    import tempfile
+
+    import gguf
+
+    from appliance.convert import GGUF_ARCH, write_hparams, write_tokenizer
+    from tests.support import tiny_models
+
+    if os.path.exists(path):
+        return path
     os.makedirs(CACHE, exist_ok=True)
     tok_dir = tempfile.mkdtemp(dir=CACHE)
     try:
         tiny_models.write_tokenizer(tok_dir)
         shutil.copyfile(os.path.join(tiny_models.FIXTURES, "qwen3", "chat_template.jinja"),
                         os.path.join(tok_dir, "chat_template.jinja"))
-        w = gguf.GGUFWriter(path + ".tmp", "qwen3")
-        write_hparams(w, cfg, f"random-qwen3-1.7b-{qtype_name.lower()}", f"MOSTLY_{qtype_name}")
+        w = gguf.GGUFWriter(path + ".tmp", GGUF_ARCH.get(cfg.model_type, cfg.model_type))
+        write_hparams(w, cfg, name, f"MOSTLY_{qtype_name}", moe)
         write_tokenizer(w, tok_dir, cfg.vocab_size, {"bos_token_id": 151643, "eos_token_id": 151645})
     finally:
         shutil.rmtree(tok_dir, ignore_errors=True)
     qtype = getattr(gguf.GGMLQuantizationType, qtype_name)
     bs, nb = gguf.GGML_QUANT_SIZES[qtype]
-    for name, shp in plan:
-        if len(shp) == 1:
-            w.add_tensor_info(name, shp, np.dtype(np.float32), shp[0] * 4)
+    for tname, shp in plan:
+        if len(shp) == 1 or tname in f32:
+            w.add_tensor_info(tname, shp, np.dtype(np.float32), int(np.prod(shp)) * 4)
         else:
-            byte_shape = (shp[0], shp[1] // bs * nb)
-            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), byte_shape[0] * byte_shape[1], raw_dtype=qtype)
+            byte_shape = tuple(shp[:-1]) + (shp[-1] // bs * nb,)
+            w.add_tensor_info(tname, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     rng = np.random.default_rng(0)
-    for name, shp in plan:
-        w.write_tensor_data(np.ones(shp, np.float32) if len(shp) == 1 else random_blocks(rng, qtype_name, *shp))
+    for tname, shp in plan:
+        if len(shp) == 1:
+            w.write_tensor_data(np.ones(shp, np.float32))
+        elif tname in f32:  # zero-mean rows: the common offset of random blocks (quants average -0.5) would
+            r = rng.standard_normal(shp).astype(np.float32)  # otherwise route every token to the same experts
+            w.write_tensor_data(0.05 * (r - r.mean(axis=1, keepdims=True)))
+        else:
+            rows = int(np.prod(shp[:-1]))
+            w.write_tensor_data(random_blocks(rng, qtype_name, rows, shp[-1]).reshape(*shp[:-1], -1))
     w.close()
     os.replace(path + ".tmp", path)
     return path

@@ -18,10 +18,9 @@ import os
 import statistics
 import sys
 
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gguf_bench import CACHE, Ours, copy_bandwidth, random_blocks  # noqa: E402
+from gguf_bench import CACHE, Ours, attention_plan, copy_bandwidth, write_random_gguf  # noqa: E402
 
 from appliance.engine.gguf_model import open_gguf  # noqa: E402
 from appliance.engine.page_release import mapping_rss  # noqa: E402
@@ -34,69 +33,25 @@ QWEN3_30B_A3B = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=12
 
 
 def write_random_moe(path: str, qtype_name: str, layers: int, s: dict = QWEN3_30B_A3B) -> str:
-    import shutil
-    import tempfile
-
-    import gguf
-
-    from appliance.convert import write_hparams, write_tokenizer
     from appliance.engine.config import Qwen3Config
     from appliance.engine.qwen3_moe import MoEConfig
-    from tests.support import tiny_models
 
-    if os.path.exists(path):
-        return path
-    cfg = Qwen3Config(model_type="qwen3moe", vocab_size=s["vocab"], hidden_size=s["hidden"],
+    cfg = Qwen3Config(model_type="qwen3_moe", vocab_size=s["vocab"], hidden_size=s["hidden"],
                       intermediate_size=s["intermediate"], num_hidden_layers=layers, num_attention_heads=s["heads"],
                       num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], rms_norm_eps=1e-6, rope_theta=1e6,
                       max_position_embeddings=40960, tie_word_embeddings=False)
     moe = MoEConfig(s["experts"], s["top_k"], s["moe_inter"], True)
-    H, KV, hd, D, E, F = s["heads"], s["kv_heads"], s["head_dim"], s["hidden"], s["experts"], s["moe_inter"]
+    D, E, F = s["hidden"], s["experts"], s["moe_inter"]
     plan = [("token_embd.weight", (s["vocab"], D))]
+    routers = []
     for i in range(layers):
         p = f"blk.{i}."
-        plan += [(p + "attn_norm.weight", (D,)), (p + "attn_q.weight", (H * hd, D)), (p + "attn_k.weight", (KV * hd, D)),
-                 (p + "attn_v.weight", (KV * hd, D)), (p + "attn_output.weight", (D, H * hd)),
-                 (p + "attn_q_norm.weight", (hd,)), (p + "attn_k_norm.weight", (hd,)), (p + "ffn_norm.weight", (D,)),
-                 (p + "ffn_gate_inp.weight", (E, D, "F32")), (p + "ffn_gate_exps.weight", (E, F, D)),
-                 (p + "ffn_up_exps.weight", (E, F, D)), (p + "ffn_down_exps.weight", (E, D, F))]
+        routers.append(p + "ffn_gate_inp.weight")
+        plan += attention_plan(p, s) + [(routers[-1], (E, D)), (p + "ffn_gate_exps.weight", (E, F, D)),
+                                        (p + "ffn_up_exps.weight", (E, F, D)), (p + "ffn_down_exps.weight", (E, D, F))]
     plan += [("output_norm.weight", (D,)), ("output.weight", (s["vocab"], D))]
-    os.makedirs(CACHE, exist_ok=True)
-    tok_dir = tempfile.mkdtemp(dir=CACHE)
-    try:
-        tiny_models.write_tokenizer(tok_dir)
-        shutil.copyfile(os.path.join(tiny_models.FIXTURES, "qwen3", "chat_template.jinja"),
-                        os.path.join(tok_dir, "chat_template.jinja"))
-        w = gguf.GGUFWriter(path + ".tmp", "qwen3moe")
-        write_hparams(w, cfg, f"random-qwen3-30b-a3b-{layers}l-{qtype_name.lower()}", f"MOSTLY_{qtype_name}", moe)
-        write_tokenizer(w, tok_dir, cfg.vocab_size, {"bos_token_id": 151643, "eos_token_id": 151645})
-    finally:
-        shutil.rmtree(tok_dir, ignore_errors=True)
-    qtype = getattr(gguf.GGMLQuantizationType, qtype_name)
-    bs, nb = gguf.GGML_QUANT_SIZES[qtype]
-    for name, shp in plan:
-        if len(shp) == 1 or shp[-1] == "F32":
-            n = int(np.prod(shp[:2] if shp[-1] == "F32" else shp))
-            w.add_tensor_info(name, shp[:2] if shp[-1] == "F32" else shp, np.dtype(np.float32), n * 4)
-        else:
-            byte_shape = tuple(shp[:-1]) + (shp[-1] // bs * nb,)
-            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    rng = np.random.default_rng(0)
-    for name, shp in plan:
-        if len(shp) == 1:
-            w.write_tensor_data(np.ones(shp, np.float32))
-        elif shp[-1] == "F32":  # router: zero-mean rows, so the common offset of random blocks (their quants
-            r = rng.standard_normal(shp[:2]).astype(np.float32)  # average -0.5) does not pick the same experts
-            w.write_tensor_data(0.05 * (r - r.mean(axis=1, keepdims=True)))  # for every token
-        else:
-            rows = int(np.prod(shp[:-1]))
-            w.write_tensor_data(random_blocks(rng, qtype_name, rows, shp[-1]).reshape(*shp[:-1], -1))
-    w.close()
-    os.replace(path + ".tmp", path)
-    return path
+    return write_random_gguf(path, cfg, plan, qtype_name, f"random-qwen3-30b-a3b-{layers}l-{qtype_name.lower()}",
+                             moe, f32=tuple(routers))
 
 
 def bytes_per_token(path: str, top_k: int) -> tuple[int, int]:
