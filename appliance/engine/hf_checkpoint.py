@@ -13,8 +13,19 @@ from .safetensors import SafeTensors, to_float32
 from .weights import DenseWeight
 
 
-def dense_weight(st: SafeTensors, name: str) -> DenseWeight:
-    return DenseWeight(to_float32(*st.raw(name)))
+def dense_weight(st: SafeTensors, name: str):
+    """A linear weight: BF16/F16 matrices are read in place from the mapping by the native kernels when the
+    library is there (no float32 copy); otherwise, and for F32, a float32 DenseWeight."""
+    raw, dtype = st.raw(name)
+    if dtype in ("BF16", "F16") and raw.ndim == 2 and native_available():
+        from .quant_weights import half_weight
+        return half_weight(raw, dtype)
+    return DenseWeight(to_float32(raw, dtype))
+
+
+def native_available() -> bool:
+    from appliance.native import kernels
+    return kernels.available()
 
 
 def dense_mlp(st: SafeTensors, prefix: str) -> qwen3.SwiGLU:
