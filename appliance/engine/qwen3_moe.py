@@ -15,7 +15,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .config import Qwen3Config
-from .hf_checkpoint import build_decoder, dense_mlp
+from .hf_checkpoint import build_decoder, dense_mlp, native_available
+from .quant_weights import half_weight
 from .qwen3 import SwiGLU
 from .page_release import release_pages
 from .safetensors import SafeTensors, to_float32
@@ -113,7 +114,15 @@ def set_release_pages(model, on: bool) -> None:
 
 def mapped_weight(st: SafeTensors, name: str):
     raw, dtype = st.raw(name)
-    return HalfWeight(raw, dtype) if dtype in ("BF16", "F16") else DenseWeight(to_float32(raw, dtype))
+    return expert_weight(raw, dtype)
+
+
+def expert_weight(raw: np.ndarray, dtype: str):
+    """One expert matrix left in the mapping: the native kernels read BF16/F16 in place; without the library it
+    is widened per use (HalfWeight), never all experts at load."""
+    if dtype in ("BF16", "F16"):
+        return half_weight(raw, dtype) if native_available() else HalfWeight(raw, dtype)
+    return DenseWeight(to_float32(raw, dtype))
 
 
 def hf_experts(st: SafeTensors, prefix: str, n: int) -> list[SwiGLU]:
@@ -124,9 +133,9 @@ def hf_experts(st: SafeTensors, prefix: str, n: int) -> list[SwiGLU]:
         dn, dn_dt = st.raw(prefix + "experts.down_proj")
         half = gu.shape[1] // 2
 
-        def w(a, dt):
-            return HalfWeight(a, dt) if dt in ("BF16", "F16") else DenseWeight(to_float32(a, dt))
-        return [SwiGLU(w(gu[j, :half], gu_dt), w(gu[j, half:], gu_dt), w(dn[j], dn_dt)) for j in range(n)]
+        return [SwiGLU(expert_weight(np.ascontiguousarray(gu[j, :half]), gu_dt),
+                       expert_weight(np.ascontiguousarray(gu[j, half:]), gu_dt), expert_weight(dn[j], dn_dt))
+                for j in range(n)]
     return [SwiGLU(*(mapped_weight(st, f"{prefix}experts.{j}.{k}_proj.weight") for k in ("gate", "up", "down")))
             for j in range(n)]
 
