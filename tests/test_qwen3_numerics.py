@@ -6,7 +6,6 @@ import torch
 from appliance.engine.config import Qwen3Config
 from appliance.engine.hf_checkpoint import build_qwen3
 from appliance.engine.safetensors import SafeTensors
-from appliance.engine import qwen3
 
 PROMPT = [151644, 872, 198, 9707, 11, 1246, 525, 498, 30, 151645, 198, 151644, 77091, 198, 35946, 3555, 374]
 

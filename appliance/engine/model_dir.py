@@ -12,11 +12,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable
 
-from . import qwen3
 from .hf_checkpoint import build_qwen3
 from .qwen3_moe import build_qwen3_moe
 from .qwen3_vl import build_qwen3_vl
-from .config import Qwen3Config, UnsupportedModelError
+from .config import UnsupportedModelError
 from .generate import Engine
 from .safetensors import SafeTensors, SafetensorsError
 

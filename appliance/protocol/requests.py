@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 from appliance.engine.sampling import SamplingParamError, SamplingParams
 from appliance.protocol.errors import ApiError
-from appliance.protocol.fields import check_type, get, invalid, load_json_object, require
+from appliance.protocol.fields import check_type, get, invalid, load_json_object
 from appliance.protocol.messages import normalize_messages, normalize_tools
 
 MAX_STOP = 4
