@@ -2,7 +2,10 @@
 
 Policy: llama-cpp-python is built from its PyPI source distribution (no prebuilt wheels are reachable), which
 takes 6-10 minutes on a 2-core machine, so the venv is built once into $KESTREL_PEER_VENV (default
-~/.cache/kestrel-bench/llama-venv) under a file lock and reused by the benchmarks and the tests. It never
+~/.cache/kestrel-bench/llama-venv) under a file lock and reused by the benchmarks and the tests. The build uses
+the instruction sets this host can execute (bench/peer_isa.py: GGML_NATIVE unless the CPU lists AMX that does
+not run, as in virtual machines; then explicit GGML_* flags); a build with other flags than the default native
+one gets its own venv (llama-venv-<flags hash>), so switching never rebuilds over a good cached venv. It never
 enters the project's own environment: the peer runs as a child process (`python bench/peer.py serve` with
 the venv's interpreter, stdlib + llama_cpp only) that answers one JSON request per line on stdin.
 
@@ -11,18 +14,34 @@ the venv's interpreter, stdlib + llama_cpp only) that answers one JSON request p
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peer_isa  # noqa: E402  (a sibling file; bench/ is not a package)
+
 PACKAGE = "llama-cpp-python==0.3.36"
-CMAKE_ARGS = "-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
+BUILD_OPTS = "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
+NATIVE_CMAKE_ARGS = f"{peer_isa.NATIVE_ARGS} {BUILD_OPTS}"  # what the default venv path was always built with
+
+
+@functools.lru_cache(maxsize=1)
+def cmake_args() -> str:
+    return peer_isa.cmake_args(BUILD_OPTS)
 
 
 def venv_dir() -> str:
-    return os.path.expanduser(os.environ.get("KESTREL_PEER_VENV", "~/.cache/kestrel-bench/llama-venv"))
+    if os.environ.get("KESTREL_PEER_VENV"):
+        return os.path.expanduser(os.environ["KESTREL_PEER_VENV"])
+    base = os.path.expanduser("~/.cache/kestrel-bench/llama-venv")
+    if cmake_args() == NATIVE_CMAKE_ARGS:
+        return base
+    return f"{base}-{hashlib.sha256(cmake_args().encode()).hexdigest()[:10]}"
 
 
 def peer_python() -> str:
@@ -45,10 +64,11 @@ def ensure_peer(log=sys.stderr) -> str:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if peer_ready():  # someone else built it while we waited
             return peer_python()
-        print(f"peer: building {PACKAGE} into {venv_dir()} (6-10 minutes, once)", file=log, flush=True)
+        print(f"peer: building {PACKAGE} into {venv_dir()} with {cmake_args()} (6-10 minutes, once)", file=log,
+              flush=True)
         t0 = time.time()
         subprocess.run([sys.executable, "-m", "venv", "--clear", venv_dir()], check=True)
-        env = dict(os.environ, CMAKE_ARGS=CMAKE_ARGS, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
+        env = dict(os.environ, CMAKE_ARGS=cmake_args(), CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
         with open(venv_dir() + ".build.log", "w") as out:
             r = subprocess.run([peer_python(), "-m", "pip", "install", "--no-cache-dir", PACKAGE],
                                env=env, stdout=out, stderr=subprocess.STDOUT)

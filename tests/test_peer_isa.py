@@ -1,0 +1,44 @@
+"""bench/peer_isa.py: the instruction-set probes that decide how the llama.cpp peer is built. Each probe
+program really runs here exactly when the CPU and the OS support its instruction set (compared with the
+kernel's own flags), and a host where AMX does not run gets a build with AMX off."""
+import os
+import platform
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import peer_isa  # noqa: E402
+
+pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 instruction-set probes")
+
+
+@pytest.mark.parametrize("name,flag", [("avx2", "avx2"), ("avx512", "avx512bw"), ("avx512_bf16", "avx512_bf16")])
+def test_probe_runs_exactly_when_the_cpu_lists_the_set(name, flag):
+    assert peer_isa.runs(name) == (flag in peer_isa.cpuinfo_flags())
+
+
+def test_broken_probe_is_not_usable(monkeypatch):
+    monkeypatch.setitem(peer_isa._PROBES, "avx2", ("-mavx2", "return 1;", ["GGML_AVX2"]))
+    assert not peer_isa.runs("avx2")
+
+
+def test_explicit_flags_turn_off_what_does_not_run(monkeypatch):
+    monkeypatch.setenv("KESTREL_PEER_ISA", "probe")
+    amx = peer_isa.runs("amx")
+    args = peer_isa.cmake_args("-DLLAMA_BUILD_TESTS=OFF").split()
+    assert args[0] == "-DGGML_NATIVE=OFF" and args[-1] == "-DLLAMA_BUILD_TESTS=OFF"
+    for o in ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16"):
+        assert f"-D{o}={'ON' if amx else 'OFF'}" in args
+    assert f"-DGGML_AVX2={'ON' if 'avx2' in peer_isa.cpuinfo_flags() else 'OFF'}" in args
+
+
+def test_native_build_kept_where_amx_is_not_listed_or_runs(monkeypatch):
+    monkeypatch.delenv("KESTREL_PEER_ISA", raising=False)
+    monkeypatch.setattr(peer_isa, "cpuinfo_flags", lambda: {"avx2", "amx_tile"})
+    monkeypatch.setattr(peer_isa, "runs", lambda name, cc=None: name != "amx")
+    assert "-DGGML_NATIVE=OFF" in peer_isa.cmake_args() and "-DGGML_AMX_INT8=OFF" in peer_isa.cmake_args()
+    monkeypatch.setattr(peer_isa, "runs", lambda name, cc=None: True)
+    assert peer_isa.cmake_args() == peer_isa.NATIVE_ARGS
+    monkeypatch.setattr(peer_isa, "cpuinfo_flags", lambda: {"avx2"})
+    assert peer_isa.cmake_args() == peer_isa.NATIVE_ARGS
