@@ -1,5 +1,6 @@
 /* x86_64 SIMD kernels, compiled with function-level target attributes and chosen at run time:
- * AVX2 (maddubs/madd integer dots) and AVX2 + AVX512-VNNI on 256-bit vectors (vpdpbusd). */
+ * AVX2 (maddubs/madd integer dots) and AVX2 + AVX512-VNNI on 256-bit vectors (vpdpbusd); float-weight tiles
+ * (matmul_float.inc) on 256-bit vectors at the AVX2 level and 512-bit ones at the AVX-512 level. */
 #if defined(__x86_64__)
 #include <immintrin.h>
 #include "kq.h"
@@ -10,7 +11,35 @@
 #define Q8_BIASED 0 /* maddubs would saturate on w + 128: sign trick instead */
 #define DOT(acc, u, s) _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1)))
 #define DOTS(acc, u, s, s16, s32) _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), (s16)))
+#define VF __m256
+#define VW 8
+#define NCF 2 /* 8 accumulators + 4 weight vectors + x of the 16 registers (3 columns spill one) */
+#define VZERO() _mm256_setzero_ps()
+#define VLDX(p) _mm256_loadu_ps(p)
+#define VSTX(p, v) _mm256_storeu_ps((p), (v))
+#define VFMA(a, w, x) _mm256_fmadd_ps((w), (x), (a))
+#define VHSUM(v) hsum8_avx2(v)
+#define WLD_F32(p) _mm256_loadu_ps((const float *)(p))
+#define WLD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define WLD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+static inline float hsum8_avx2(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
 #include "matmul_x86.inc"
+#undef VF
+#undef VW
+#undef NCF
+#undef VZERO
+#undef VLDX
+#undef VSTX
+#undef VFMA
+#undef VHSUM
+#undef WLD_F32
+#undef WLD_F16
+#undef WLD_BF16
 #define NC 4
 #include "matmul_x8_x86.inc"
 #undef NC
@@ -26,7 +55,29 @@
 #define Q8_BIASED 1 /* vpdpbusd sums in 32 bits: (w + 128) . y - 128 sum(y) */
 #define DOT(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
 #define DOTS(acc, u, s, s16, s32) _mm256_add_epi32((acc), _mm256_mullo_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (s)), (s32)))
+#define VF __m512
+#define VW 16
+#define NCF 6 /* 24 accumulators + 4 weight vectors of the 32 registers */
+#define VZERO() _mm512_setzero_ps()
+#define VLDX(p) _mm512_loadu_ps(p)
+#define VSTX(p, v) _mm512_storeu_ps((p), (v))
+#define VFMA(a, w, x) _mm512_fmadd_ps((w), (x), (a))
+#define VHSUM(v) _mm512_reduce_add_ps(v)
+#define WLD_F32(p) _mm512_loadu_ps((const float *)(p))
+#define WLD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define WLD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #include "matmul_x86.inc"
+#undef VF
+#undef VW
+#undef NCF
+#undef VZERO
+#undef VLDX
+#undef VSTX
+#undef VFMA
+#undef VHSUM
+#undef WLD_F32
+#undef WLD_F16
+#undef WLD_BF16
 #define NC 8 /* 32 vector registers: 8 columns per pass over the weights */
 #include "matmul_x8_x86.inc"
 #undef NC
