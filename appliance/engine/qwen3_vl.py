@@ -23,11 +23,12 @@ import numpy as np
 
 from . import qwen3
 from .config import Qwen3Config
-from .hf_checkpoint import build_decoder, dense_mlp, dense_weight
+from .hf_checkpoint import build_decoder, dense_mlp, native_available
 from .image_processing import ImageError, ImageProcessor, PixelPatches
 from .kv_cache import KVCache
 from .safetensors import SafeTensors, to_float32
-from .vision import Linear, PatchMerger, VisionBlock, VisionConfig, VisionTower
+from .quant_weights import half_weight
+from .vision import Linear, PatchMerger, VisionBlock, VisionConfig, VisionTower, vision_ops
 from .weights import DenseWeight
 
 @dataclass
@@ -188,8 +189,16 @@ def expand_image_pads(ids: list[int], image_token_id: int, counts: list[int]) ->
     return out
 
 
+def stored_weight(raw: np.ndarray, dtype: str):
+    """A vision matrix (out, in) as stored: BF16/F16/F32 read in place from the mapping by the C kernels when the
+    library is there, else a float32 DenseWeight."""
+    if native_available() and dtype in ("BF16", "F16", "F32") and raw.ndim == 2 and raw.flags.c_contiguous:
+        return half_weight(raw, dtype)
+    return DenseWeight(np.ascontiguousarray(to_float32(raw, dtype)))
+
+
 def vision_linear(st: SafeTensors, name: str) -> Linear:
-    return Linear(dense_weight(st, name + ".weight"), st.float32(name + ".bias"))
+    return Linear(stored_weight(*st.raw(name + ".weight")), st.float32(name + ".bias"))
 
 
 def build_vision(st: SafeTensors, cfg: VisionConfig, prefix: str) -> VisionTower:
@@ -201,7 +210,7 @@ def build_vision(st: SafeTensors, cfg: VisionConfig, prefix: str) -> VisionTower
                            vision_linear(st, name + ".linear_fc2"), post)
 
     w, dt = st.raw(prefix + "patch_embed.proj.weight")  # (hidden, C, tp, p, p)
-    patch = Linear(DenseWeight(np.ascontiguousarray(to_float32(w, dt).reshape(cfg.hidden_size, -1))),
+    patch = Linear(stored_weight(w.reshape(cfg.hidden_size, -1), dt),  # (hidden, C*tp*p*p): the kernel flattened
                    st.float32(prefix + "patch_embed.proj.bias"))
     blocks = [VisionBlock(norm(f"{prefix}blocks.{i}.norm1"), vision_linear(st, f"{prefix}blocks.{i}.attn.qkv"),
                           vision_linear(st, f"{prefix}blocks.{i}.attn.proj"), norm(f"{prefix}blocks.{i}.norm2"),
@@ -209,7 +218,7 @@ def build_vision(st: SafeTensors, cfg: VisionConfig, prefix: str) -> VisionTower
                           vision_linear(st, f"{prefix}blocks.{i}.mlp.linear_fc2")) for i in range(cfg.depth)]
     deep = [merger(f"{prefix}deepstack_merger_list.{j}", True) for j in range(len(cfg.deepstack_visual_indexes))]
     return VisionTower(cfg, patch, st.float32(prefix + "pos_embed.weight"), blocks, merger(prefix + "merger", False),
-                       deep)
+                       deep, vision_ops(native_available()))
 
 
 def _prefix(st: SafeTensors, *candidates: str) -> str:

@@ -7,6 +7,9 @@ Policies:
 - Patches arrive in merge-block order (image_processing.patchify), so the 2x2 merger is a reshape of
   consecutive rows. The 3D patch convolution (kernel = stride = patch) is a matmul over flattened patches.
 - Weights are the same linear-weight objects as the decoder's (weights.py), so faster kernels drop in.
+- LayerNorm, the tanh GELU and attention come from a VisionOps chosen once at load: the C library's
+  (native/src/vision.c: blocked, multi-threaded attention with f32 accumulation) when it is there, else the
+  numpy functions below, which are their twins.
 - Attention runs head by head over blocks of queries: the scores stay cache-sized (numpy's elementwise
   passes are single-threaded and memory-bound) and an image of thousands of patches never materialises a
   (heads, N, N) matrix.
@@ -14,6 +17,7 @@ Policies:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -112,13 +116,29 @@ class PatchMerger:
     fc2: Linear
     postshuffle_norm: bool
 
-    def __call__(self, x: np.ndarray, unit: int) -> np.ndarray:
+    def __call__(self, x: np.ndarray, unit: int, norm: Callable | None = None) -> np.ndarray:
         n, d = x.shape
+        norm = norm or layer_norm
         if self.postshuffle_norm:
-            x = layer_norm(x.reshape(n // unit, d * unit), *self.norm)  # (n/4, 4*hidden)
+            x = norm(x.reshape(n // unit, d * unit), *self.norm)  # (n/4, 4*hidden)
         else:
-            x = layer_norm(x, *self.norm).reshape(n // unit, d * unit)
+            x = norm(x, *self.norm).reshape(n // unit, d * unit)
         return self.fc2(gelu_erf(self.fc1(x)))  # (n/4, out_hidden)
+
+
+@dataclass(frozen=True)
+class VisionOps:
+    """The tower's non-matmul operations, all (array in -> array out) with the numpy twins' signatures."""
+    layer_norm: Callable  # (x (T, n), w, b) -> (T, n)
+    gelu_tanh: Callable  # x -> x
+    self_attention: Callable  # (qkv (N, 3*hidden), heads, cos, sin) -> (N, hidden)
+
+
+def vision_ops(native: bool) -> VisionOps:
+    if native:
+        from appliance.native import kernels
+        return VisionOps(kernels.layer_norm, kernels.gelu_tanh, kernels.self_attention)
+    return VisionOps(layer_norm, gelu_tanh, self_attention)
 
 
 @dataclass
@@ -135,6 +155,18 @@ class VisionTower:
     blocks: list[VisionBlock]
     merger: PatchMerger
     deepstack_mergers: list[PatchMerger]
+    ops: VisionOps | None = None  # None: the numpy functions
+
+    def __post_init__(self):
+        if self.ops is None:
+            self.ops = vision_ops(False)
+
+    def run_block(self, blk: VisionBlock, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """One pre-norm block over one image's patches x (N, hidden)."""
+        ops, cfg = self.ops, self.config
+        act = ops.gelu_tanh if cfg.hidden_act == "gelu_pytorch_tanh" else ACTIVATIONS[cfg.hidden_act]
+        x = x + blk.proj(ops.self_attention(blk.qkv(ops.layer_norm(x, *blk.norm1)), cfg.num_heads, cos, sin))
+        return x + blk.fc2(act(blk.fc1(ops.layer_norm(x, *blk.norm2))))
 
     def encode(self, pixel_values: np.ndarray, grid_thw: tuple[int, int, int]) -> VisionOutput:
         """One image's patches (t*h*w, C*tp*p*p) -> its decoder embeddings and DeepStack features."""
@@ -146,14 +178,13 @@ class VisionTower:
         x = self.patch_embed(pixel_values.astype(np.float32, copy=False))  # (N, hidden)
         x = x + interpolated_pos_embed(self.pos_embed, rows, cols, h, w)
         cos, sin = vision_rope(rows, cols, cfg.head_dim, cfg.rope_theta)  # (N, hd/2)
-        act = ACTIVATIONS[cfg.hidden_act]
         deepstack = []
         for i, blk in enumerate(self.blocks):
-            x = x + blk.proj(self_attention(blk.qkv(layer_norm(x, *blk.norm1)), cfg.num_heads, cos, sin))
-            x = x + blk.fc2(act(blk.fc1(layer_norm(x, *blk.norm2))))
+            x = self.run_block(blk, x, cos, sin)
             if i in cfg.deepstack_visual_indexes:
-                deepstack.append(self.deepstack_mergers[cfg.deepstack_visual_indexes.index(i)](x, m * m))
-        return VisionOutput(self.merger(x, m * m), deepstack)
+                merger = self.deepstack_mergers[cfg.deepstack_visual_indexes.index(i)]
+                deepstack.append(merger(x, m * m, self.ops.layer_norm))
+        return VisionOutput(self.merger(x, m * m, self.ops.layer_norm), deepstack)
 
 
 def merge_block_coords(h: int, w: int, m: int) -> tuple[np.ndarray, np.ndarray]:

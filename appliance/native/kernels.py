@@ -40,6 +40,9 @@ _SIGNATURES = {
     "kq_rope": (None, [_P, _I64, _I64, _I64, _P, _P]),
     "kq_swiglu": (None, [_P, _P, _I64, _P]),
     "kq_attention": (None, [_P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P]),
+    "kq_layer_norm": (None, [_P, _P, _P, _I64, _I64, ctypes.c_float, _P]),
+    "kq_gelu_tanh": (None, [_P, _I64, _P]),
+    "kq_self_attention": (_I, [_P, _I64, _I64, _I64, _P, _P, _P]),
     "kq_forward": (_I, [_P, _P, _P, _I64, _P, _I64, _I64, _P, _P]),
 }
 ABI_VERSION = 1
@@ -248,6 +251,41 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, S: int) -
     out = np.empty_like(q)
     _lib.kq_attention(_ptr(q), _ptr(k_cache), _ptr(v_cache), k_cache.shape[1], T, S, H, k_cache.shape[0], hd,
                       _ptr(out))
+    return out
+
+
+def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    x = _f32(x)  # (T, n)
+    w, b = (np.ascontiguousarray(a, dtype=np.float32) for a in (w, b))
+    if w.shape != (x.shape[1],) or b.shape != w.shape:
+        raise ValueError("layer_norm weight/bias do not match the input width")
+    out = np.empty_like(x)
+    _lib.kq_layer_norm(_ptr(x), _ptr(w), _ptr(b), x.shape[0], x.shape[1], float(eps), _ptr(out))
+    return out
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty_like(x)
+    _lib.kq_gelu_tanh(_ptr(x), x.size, _ptr(out))
+    return out
+
+
+def self_attention(qkv: np.ndarray, heads: int, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Bidirectional attention over one image: qkv (N, 3*hidden) with 2D RoPE cos/sin (N, hd/2) -> (N, hidden)."""
+    qkv = _f32(qkv)
+    n, hd = qkv.shape[0], qkv.shape[1] // (3 * heads)
+    if qkv.shape[1] != 3 * heads * hd or hd % 2:
+        raise ValueError("qkv width is not 3 * heads * an even head size")
+    cos, sin = (np.ascontiguousarray(a, dtype=np.float32) for a in (cos, sin))
+    if cos.shape != (n, hd // 2) or sin.shape != cos.shape:
+        raise ValueError("cos/sin must be (N, head_dim/2)")
+    out = np.empty((n, heads * hd), np.float32)
+    rc = _lib.kq_self_attention(_ptr(qkv), n, heads, hd, _ptr(cos), _ptr(sin), _ptr(out))
+    if rc == -2:
+        raise MemoryError("self_attention: out of memory")
+    if rc:
+        raise ValueError(f"self_attention failed ({rc})")
     return out
 
 

@@ -55,6 +55,11 @@ void kq_rope(float *x, int64_t T, int64_t nh, int64_t hd, const float *cos, cons
 void kq_swiglu(const float *g, const float *u, int64_t n, float *out);
 void kq_attention(const float *q, const float *kc, const float *vc, int64_t max_len, int64_t T, int64_t S,
                   int64_t H, int64_t KV, int64_t hd, float *out);
+/* vision tower operations (vision.c) */
+void kq_layer_norm(const float *x, const float *w, const float *b, int64_t T, int64_t n, float eps, float *out);
+void kq_gelu_tanh(const float *x, int64_t n, float *out);
+int kq_self_attention(const float *qkv, int64_t N, int64_t H, int64_t hd, const float *cos, const float *sin,
+                      float *out);
 int kq_forward(const kq_model *m, float *const *k_cache, float *const *v_cache, int64_t max_len,
                float *h, int64_t T, int64_t pos, const float *cos, const float *sin);
 
@@ -64,6 +69,8 @@ void kq_parallel_for(int64_t n, int64_t chunk, kq_range_fn fn, void *ctx); /* fn
 int64_t kq_chunk_for(int64_t n);
 void *kq_scratch(int slot, size_t bytes); /* per-thread buffers kept between calls (slot < 4) */
 void kq_f32_dots(const float *rows, int64_t nrows, int64_t n, const float *x, float *out); /* out = rows @ x, this thread */
+/* out[t * ldo + r] = rows[r] . x[t] for T columns x (T, n), in this thread (multi-token float tiles) */
+void kq_f32_tiles(const float *rows, int64_t nrows, int64_t n, const float *x, int64_t T, float *out, int64_t ldo);
 size_t kq_row_bytes(int qtype, int64_t n);
 float kq_fp16_to_fp32(uint16_t h);
 void kq_dequantize_row(int qtype, const uint8_t *w, int64_t n, float *out);
@@ -100,6 +107,28 @@ void kq_kernels_avx2vnni(kq_kernels *k);
 void kq_kernels_neon(kq_kernels *k);
 void kq_kernels_neondot(kq_kernels *k);
 #endif
+
+#include <string.h>
+/* built for the baseline ISA and, on x86_64, cloned for AVX2 (chosen at load time by the dynamic linker) */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define KQ_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define KQ_CLONES
+#endif
+
+/* exp(x) for the softmax and SiLU: Cephes' expf polynomial (about 1 ulp), written so loops vectorize */
+static inline float kq_expf(float x) {
+    x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
+    float k = __builtin_rintf(x * 1.44269504088896341f);
+    float r = (x - k * 0.693359375f) - k * -2.12194440e-4f;
+    float y = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r +
+               1.6666665459e-1f) * r + 5.0000001201e-1f;
+    y = y * (r * r) + r + 1.0f;
+    int32_t e = ((int32_t)k + 127) << 23;
+    float sc;
+    memcpy(&sc, &e, 4);
+    return y * sc;
+}
 
 static inline uint16_t kq_ld16(const void *p) { uint16_t v; __builtin_memcpy(&v, p, 2); return v; }
 

@@ -250,6 +250,12 @@ void kq_f32_dots(const float *rows, int64_t nrows, int64_t n, const float *x, fl
         K.f32((const uint8_t *)rows, (size_t)n * 4, r0, nrows - r0 < 4 ? (int)(nrows - r0) : 4, n, x, 0, 1, out, nrows);
 }
 
+void kq_f32_tiles(const float *rows, int64_t nrows, int64_t n, const float *x, int64_t T, float *out, int64_t ldo) {
+    detect();
+    for (int64_t r0 = 0; r0 < nrows; r0 += 4)
+        K.f32((const uint8_t *)rows, (size_t)n * 4, r0, nrows - r0 < 4 ? (int)(nrows - r0) : 4, n, x, 0, T, out, ldo);
+}
+
 typedef struct {
     kq_tile_fn fn;
     const uint8_t *w;

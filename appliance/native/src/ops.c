@@ -6,27 +6,6 @@
 #include <string.h>
 #include "kq.h"
 
-/* built for the baseline ISA and, on x86_64, cloned for AVX2 (chosen at load time by the dynamic linker) */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define KQ_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define KQ_CLONES
-#endif
-
-/* exp(x) for the softmax and SiLU: Cephes' expf polynomial (about 1 ulp), written so loops vectorize */
-static inline float kq_expf(float x) {
-    x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
-    float k = __builtin_rintf(x * 1.44269504088896341f);
-    float r = (x - k * 0.693359375f) - k * -2.12194440e-4f;
-    float y = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r +
-               1.6666665459e-1f) * r + 5.0000001201e-1f;
-    y = y * (r * r) + r + 1.0f;
-    int32_t e = ((int32_t)k + 127) << 23;
-    float sc;
-    memcpy(&sc, &e, 4);
-    return y * sc;
-}
-
 KQ_CLONES void kq_rms_norm(const float *x, const float *w, int64_t T, int64_t n, float eps, float *out) {
     for (int64_t t = 0; t < T; t++) {
         const float *v = x + t * n;
