@@ -29,17 +29,7 @@ static inline float hsum8_avx2(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 #include "matmul_x86.inc"
-#undef VF
-#undef VW
-#undef NCF
-#undef VZERO
-#undef VLDX
-#undef VSTX
-#undef VFMA
-#undef VHSUM
-#undef WLD_F32
-#undef WLD_F16
-#undef WLD_BF16
+#include "matmul_float_end.inc"
 #define NC 4
 #include "matmul_x8_x86.inc"
 #undef NC
@@ -67,17 +57,7 @@ static inline float hsum8_avx2(__m256 v) {
 #define WLD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define WLD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #include "matmul_x86.inc"
-#undef VF
-#undef VW
-#undef NCF
-#undef VZERO
-#undef VLDX
-#undef VSTX
-#undef VFMA
-#undef VHSUM
-#undef WLD_F32
-#undef WLD_F16
-#undef WLD_BF16
+#include "matmul_float_end.inc"
 #define NC 8 /* 32 vector registers: 8 columns per pass over the weights */
 #include "matmul_x8_x86.inc"
 #undef NC
