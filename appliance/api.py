@@ -2,8 +2,16 @@
 
 Policies:
 - Order of checks: route (404/405) -> API key (401; /health, /v1/models and CORS preflights stay open) ->
-  model loaded (503) -> body (413) -> fields (400) -> template + tokenizer + context (400) -> queue (429).
-  Everything a client can get wrong is answered before the request waits for the engine.
+  model loaded (503) -> body (413) -> fields (400) -> template + tokenizer + context (400) -> queue (429)
+  -> images (400/413). Everything but the images is answered before the request takes a place in line;
+  images are decoded only by a request that holds one (so a full queue turns image requests away before
+  any pixel is decoded), one image at a time server-wide, stopping between images when the client leaves.
+- Parsing, template rendering, tokenization and image decoding run in worker threads (offload.off_loop),
+  never on the event loop. A prompt whose bytes alone prove it longer than the context (each token stands
+  for at most `max_token_bytes` bytes) is refused before it is tokenized, so a 4 MB body costs no
+  tokenizer memory.
+- /metrics counts every request: one that ends because its client left is counted with code 499 (nginx's
+  "client closed request"); a queued request that never ran is also in kestrel_queue_abandoned_total.
 - A stream's status line, SSE headers and first event (the chat role frame) go out before queueing and
   prefill; while queued it gets SSE comments; then one event per TokenEvent that releases text, the finish
   chunk (with timings), the usage chunk if asked, the extension events if asked, and `data: [DONE]`.
@@ -14,6 +22,7 @@ Policies:
 from __future__ import annotations
 
 import hmac
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -25,15 +34,19 @@ from .engine.image_processing import ImageError
 from .generation import Generation
 from .h11_server import Exchange
 from .image_inputs import ImageBytesLimit, ImageTokensOverContext, image_urls, prepare_images
+from .offload import IMAGE_THREADS, PREP_THREADS, TRIM_BYTES, LoopLag, off_loop, trim_memory
 from .protocol import prometheus
 from .protocol.assemble import ChatAssembler, CompletionAssembler
 from .protocol.chunks import model_list
 from .protocol.errors import (ApiError, body_too_large, context_length_exceeded, error_body, invalid_api_key,
-                              method_not_allowed, missing_api_key, not_found, not_ready, queue_full)
+                              method_not_allowed, missing_api_key, not_found, not_ready, queue_full,
+                              server_shutdown)
 from .protocol.reasoning import prompt_ends_in_reasoning
 from .protocol.requests import parse_chat_request, parse_completion_request
 from .protocol.sse import JSON_CONTENT_TYPE, json_bytes
-from .worker import NotReady, QueueFull, Worker
+from .worker import NotReady, QueueFull, ShuttingDown, Worker
+
+CLIENT_CLOSED = 499  # the status /metrics records for a request whose client went away (nginx's convention)
 
 
 @dataclass
@@ -58,6 +71,10 @@ class Api:
         self.created = int(time.time())
         self.requests: Counter = Counter()          # (endpoint, status) -> count
         self.rejected = 0
+        self.images_decoded = 0
+        self.loop_lag = LoopLag()   # run by whoever runs the server (cli.serve): `nursery.start_soon(api.loop_lag.run)`
+        self._prep_limiter = trio.CapacityLimiter(PREP_THREADS)
+        self._image_limiter = trio.CapacityLimiter(IMAGE_THREADS)
         self._keys = tuple(k.encode("utf-8") for k in cfg.api_keys)
         self.routes: dict[str, dict[str, Callable[[Exchange], Awaitable[None]]]] = {
             "/health": {"GET": self.health},
@@ -71,6 +88,7 @@ class Api:
     async def __call__(self, ex: Exchange) -> None:
         path = ex.path.rstrip("/") or "/"
         endpoint = path if path in self.routes else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
+        counted = False
         try:
             handlers = self.routes.get(path)
             if handlers is None and path.startswith("/v1/models/"):
@@ -86,13 +104,19 @@ class Api:
                 self._check_key(ex)
             await handler(ex)
             self.requests[(endpoint, ex.status)] += 1
+            counted = True
         except ApiError as e:
             if e.status == 429:
                 self.rejected += 1
             if ex.response_started:  # an HTTP-level error after a stream began cannot be reported
                 raise
+            counted = True
             await self._respond(ex, endpoint, e.status, error_body(e),
                                 [(b"Content-Type", JSON_CONTENT_TYPE)] + list(e.headers))
+        finally:
+            if not counted:  # client gone, cut by shutdown, or a failure the server answers
+                status = CLIENT_CLOSED if ex.peer_gone else 503 if ex.cut else ex.status or 500
+                self.requests[(endpoint, status)] += 1
 
     async def _respond(self, ex: Exchange, endpoint: str, status: int, body: bytes,
                        headers: list[tuple[bytes, bytes]]) -> None:
@@ -163,6 +187,11 @@ class Api:
             "kestrel_decode_seconds_total": s.decode_seconds,
             "kestrel_rejected_total": self.rejected,
             "kestrel_cancelled_total": s.requests_cancelled,
+            "kestrel_queue_abandoned_total": s.requests_abandoned,
+            "kestrel_images_decoded_total": self.images_decoded,
+            "kestrel_event_loop_lag_seconds": self.loop_lag.recent_s,
+            "kestrel_event_loop_lag_max_seconds": self.loop_lag.max_s,
+            "kestrel_event_loop_stalls_total": self.loop_lag.stalls,
             "kestrel_queue_depth": w.waiting,
             "kestrel_busy": w.busy,
             "kestrel_ready": w.state == "ready",
@@ -177,6 +206,25 @@ class Api:
     async def chat(self, ex: Exchange) -> None:
         loaded = self._loaded()
         body = await ex.read_body()
+        req, prompt, ids = await off_loop(lambda stop: self._prepare_chat(loaded, body), self._prep_limiter)
+        out = ChatAssembler.for_request(req, model=self.cfg.model_name, created=int(time.time()),
+                                        in_reasoning=prompt_ends_in_reasoning(prompt))
+        t_arrival = time.perf_counter()
+        ticket = self._admit()
+        urls = image_urls(req.messages)
+        if urls:
+            try:
+                ids, images = await self._images(loaded, ex, urls, ids, len(body))
+                self._check_context(loaded, len(ids), req.max_tokens)
+            except BaseException as e:
+                ticket.drop(abandoned=not isinstance(e, ApiError))
+                raise
+        else:
+            images = ()
+        await Generation(self, loaded, ids, req, out, images).run(ex, ticket, t_arrival)
+
+    def _prepare_chat(self, loaded: Any, body: bytes):
+        """Worker thread: body -> (request, prompt text, prompt ids); ApiError for anything wrong."""
         req = parse_chat_request(body, defaults=loaded.default_sampling, context_length=loaded.context_length,
                                  images_supported=loaded.multimodal, stream_extensions=self.cfg.extension_events)
         try:
@@ -184,22 +232,28 @@ class Api:
                                                  **req.template_kwargs)
         except ValueError as e:  # ChatTemplateError: the template refused these messages
             raise ApiError(400, str(e), param="messages", code="invalid_messages") from None
-        ids = loaded.tokenizer.encode(prompt)
-        ids, images = await self._images(loaded, ex, req.messages, ids, len(body))
-        self._check_context(loaded, len(ids), req.max_tokens)
-        out = ChatAssembler.for_request(req, model=self.cfg.model_name, created=int(time.time()),
-                                        in_reasoning=prompt_ends_in_reasoning(prompt))
-        gen = Generation(self, loaded, ids, req, out, images)
-        await gen.run(ex, self._admit())
+        ids = self._encode(loaded, prompt, req.max_tokens, len(body))
+        if not image_urls(req.messages):
+            self._check_context(loaded, len(ids), req.max_tokens)
+        return req, prompt, ids
 
     async def completions(self, ex: Exchange) -> None:
         loaded = self._loaded()
         body = await ex.read_body()
+        req, ids, prompt_text = await off_loop(lambda stop: self._prepare_completion(loaded, body),
+                                               self._prep_limiter)
+        out = CompletionAssembler.for_request(req, model=self.cfg.model_name, created=int(time.time()),
+                                              echo_text=prompt_text)
+        t_arrival = time.perf_counter()
+        await Generation(self, loaded, ids, req, out).run(ex, self._admit(), t_arrival)
+
+    def _prepare_completion(self, loaded: Any, body: bytes):
+        """Worker thread: body -> (request, prompt ids, prompt text to echo)."""
         req = parse_completion_request(body, defaults=loaded.default_sampling,
                                        context_length=loaded.context_length,
                                        stream_extensions=self.cfg.extension_events)
         if isinstance(req.prompt, str):
-            ids = loaded.tokenizer.encode(req.prompt)
+            ids = self._encode(loaded, req.prompt, req.max_tokens, len(body))
             prompt_text = req.prompt
         else:
             vocab = len(loaded.tokenizer)
@@ -210,21 +264,38 @@ class Api:
             ids = list(req.prompt)
             prompt_text = loaded.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else ""
         self._check_context(loaded, len(ids), req.max_tokens)
-        out = CompletionAssembler.for_request(req, model=self.cfg.model_name, created=int(time.time()),
-                                              echo_text=prompt_text)
-        gen = Generation(self, loaded, ids, req, out)
-        await gen.run(ex, self._admit())
+        return req, ids, prompt_text
 
-    async def _images(self, loaded: Any, ex: Exchange, messages: list, ids: list[int], body_size: int):
-        """Decode and preprocess the request's images off the event loop; expand their prompt tokens."""
-        urls = image_urls(messages)
-        if not urls:
-            return ids, ()
-        model = loaded.model
+    def _encode(self, loaded: Any, text: str, max_tokens: int | None, body_size: int) -> list[int]:
+        """Token ids of text; a text whose bytes alone need more tokens than the context holds is refused
+        untokenized (each token stands for at most max_token_bytes bytes; the factor 2 covers normalizers)."""
+        tok = loaded.tokenizer
+        per_token = 2 * max(1, getattr(tok, "max_token_bytes", 0))
+        if len(text) * 4 // per_token >= loaded.context_length:  # cheap bound first: UTF-8 is <= 4 bytes/char
+            at_least = len(text.encode("utf-8", "surrogatepass")) // per_token
+            if at_least >= loaded.context_length:
+                raise context_length_exceeded(at_least, max_tokens, loaded.context_length)
         try:
-            return await trio.to_thread.run_sync(lambda: prepare_images(
-                model.image_processor, model.image_token_id, ids, urls, allowed_dirs=self.cfg.image_dirs,
-                body_size=body_size, body_limit=ex.max_body, max_tokens=loaded.context_length))
+            return tok.encode(text)
+        finally:
+            if body_size >= TRIM_BYTES:
+                trim_memory()
+
+    async def _images(self, loaded: Any, ex: Exchange, urls: list, ids: list[int], body_size: int):
+        """Decode and preprocess the request's images off the event loop (one request's images at a time,
+        server-wide); expand their prompt tokens. Stops between images when the client leaves."""
+        model = loaded.model
+
+        def work(stop: threading.Event):
+            try:
+                return prepare_images(model.image_processor, model.image_token_id, ids, urls,
+                                      allowed_dirs=self.cfg.image_dirs, body_size=body_size, body_limit=ex.max_body,
+                                      max_tokens=loaded.context_length, should_stop=stop.is_set,
+                                      on_decoded=self._count_image)
+            finally:
+                trim_memory()
+        try:
+            return await off_loop(work, self._image_limiter)
         except ImageBytesLimit as e:
             raise body_too_large(e.limit) from None
         except ImageTokensOverContext as e:
@@ -232,6 +303,9 @@ class Api:
                            code="context_length_exceeded") from None
         except ImageError as e:
             raise ApiError(400, str(e), param="messages", code="invalid_image") from None
+
+    def _count_image(self) -> None:  # image threads run one at a time (IMAGE_THREADS)
+        self.images_decoded += 1
 
     def _check_context(self, loaded: Any, n_prompt: int, max_tokens: int | None) -> None:
         ctx = loaded.context_length
@@ -247,3 +321,5 @@ class Api:
             raise queue_full(e.retry_after) from None
         except NotReady:
             raise not_ready() from None
+        except ShuttingDown:
+            raise server_shutdown() from None

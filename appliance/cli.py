@@ -6,8 +6,11 @@ Policies:
 - Serving binds first (so /health answers 503 while the model loads), then loads the model on the engine
   thread; under systemd (Type=notify) READY=1 goes out once the model is loaded, WATCHDOG=1 pings come from
   the event loop, STOPPING=1 at the first signal.
-- SIGTERM/SIGINT: stop accepting, let in-flight requests finish within --grace seconds, cancel the rest,
-  exit 0. A second signal cancels at once.
+- SIGTERM/SIGINT: stop accepting, send queued requests away (503 server_shutdown), let running ones finish
+  within --grace seconds, then end them with a `server_shutdown` error (streams: an error event and the end
+  of the body), exit 0 within grace + 2 s. If the engine thread is still inside a native call by then, the
+  process ends with os._exit: finalizing the interpreter would unmap the weights under that call. A second
+  signal cancels at once.
 - --threads sizes the C kernels' pool and caps the BLAS/OpenMP pools (set before numpy is imported, so heavy
   imports happen inside the functions here, after argument parsing).
 """
@@ -20,6 +23,7 @@ import signal
 import sys
 
 PROG = "kestrel-appliance"
+ENGINE_STOP_S = 0.5   # after the last connection: how long the engine thread gets to leave its computation
 log = logging.getLogger("appliance")
 
 
@@ -209,6 +213,7 @@ async def serve(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
                         return
                     log.info("%s: shutting down (grace %.0f s)", signal.Signals(sig).name, args.grace)
                     systemd.notify_stopping(f"{signal.Signals(sig).name}: finishing in-flight requests")
+                    worker.close_queue()
                     nursery.start_soon(server.shutdown)
 
             async def on_loaded() -> None:
@@ -234,11 +239,18 @@ async def serve(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
             nursery.start_soon(on_signals)
             nursery.start_soon(on_loaded)
             nursery.start_soon(watchdog)
+            nursery.start_soon(api.loop_lag.run)
             await worker.start()
             log.info("listening on %s", ", ".join(f"http://{host_port(args.host, p)}" for p in server.ports))
             await server.serve()
             nursery.cancel_scope.cancel()
-    worker.stop(timeout=2.0)
+    worker.stop(timeout=ENGINE_STOP_S)
+    if worker.engine_alive():
+        log.warning("the engine is still inside a computation; exiting without interpreter teardown")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
     return status
 
 

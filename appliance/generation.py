@@ -11,6 +11,9 @@ Policies:
   leaves half a comment on the wire.
 - Engine failures: before a stream starts, an error response (400 for ContextLengthError, else 500); inside a
   stream, an `{"error": ...}` event (the openai client raises it as APIError) and the stream ends.
+- Shutdown: a request still queued when the queue closes gets 503 `server_shutdown` (a stream: that error
+  event, then the end of the body); a stream the server cuts past the grace period gets the same event
+  (`Exchange.stream_error`), written by the server.
 """
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ from .protocol.errors import ApiError, internal_error
 from .protocol.logprobs import entry_from_engine
 from .protocol.sse import SSE_HEADERS, sse_comment, sse_event
 from .protocol.stats import GenerationStats
-from .worker import EngineFailure, Ticket
+from .protocol.errors import server_shutdown
+from .worker import EngineFailure, ShuttingDown, Ticket
 
 log = logging.getLogger("appliance.generation")
 
@@ -75,33 +79,27 @@ class Generation:
     def _logprob(self, ev: TokenEvent):
         return entry_from_engine(ev.logprob, self._token_bytes) if ev.logprob is not None else None
 
-    async def run(self, ex: Any, ticket: Ticket) -> None:
+    async def run(self, ex: Any, ticket: Ticket, t_arrival: float | None = None) -> None:
         stream = self.req.stream
+        t_arrival = time.perf_counter() if t_arrival is None else t_arrival
         async with ticket:
             async with trio.open_nursery() as nursery:
-                t_arrival = time.perf_counter()
                 if stream:
                     await ex.start_stream(200, list(SSE_HEADERS) + self.api.cors_headers())
+                    ex.stream_error = lambda err: sse_event(err.to_dict())
                     first = self.out.start()
                     if first:
                         await self._send(ex, first)
                     nursery.start_soon(self._keepalive, ex)
-                await ticket.wait_turn()
-                self._phase = "prefill"
-                queue_ms = (time.perf_counter() - t_arrival) * 1000.0
                 finish, failure = None, None
-                async for ev in ticket.start(self.request):
-                    if isinstance(ev, TokenEvent):
-                        data = self.out.token(ev.text, self._logprob(ev))
-                        if stream and data:
-                            self._keepalive_scope.cancel()
-                            await self._send(ex, data)
-                    elif isinstance(ev, FinishEvent):
-                        finish = ev
-                        break
-                    elif isinstance(ev, EngineFailure):
-                        failure = ev.error
-                        break
+                try:
+                    await ticket.wait_turn()
+                except ShuttingDown:
+                    failure = server_shutdown()
+                else:
+                    self._phase = "prefill"
+                    queue_ms = (time.perf_counter() - t_arrival) * 1000.0
+                    finish, failure = await self._generate(ex, ticket)
                 ticket.finished()
                 self._keepalive_scope.cancel()
         if finish is None:
@@ -118,6 +116,20 @@ class Generation:
             await ex.send(_with_image_usage(event, finish))
         await ex.end_stream()
 
+    async def _generate(self, ex: Any, ticket: Ticket) -> tuple[FinishEvent | None, BaseException | None]:
+        """Run the request on the engine, writing each token event of a stream as it arrives."""
+        async for ev in ticket.start(self.request):
+            if isinstance(ev, TokenEvent):
+                data = self.out.token(ev.text, self._logprob(ev))
+                if self.req.stream and data:
+                    self._keepalive_scope.cancel()
+                    await self._send(ex, data)
+            elif isinstance(ev, FinishEvent):
+                return ev, None
+            elif isinstance(ev, EngineFailure):
+                return None, ev.error
+        return None, None
+
     async def _send(self, ex: Any, data: bytes) -> None:
         async with self._send_lock:
             await ex.send(data)
@@ -132,12 +144,15 @@ class Generation:
                     await self._send(ex, sse_comment(self._phase))
 
     async def _fail(self, ex: Any, error: BaseException | None) -> None:
-        if isinstance(error, ContextLengthError):
+        if isinstance(error, ApiError):
+            err = error
+        elif isinstance(error, ContextLengthError):
             err = ApiError(400, str(error), param="messages", code="context_length_exceeded")
         else:
             log.error("generation failed: %r", error, exc_info=error)
             err = internal_error()
         if not ex.response_started:
             raise err
-        await ex.send(sse_event(err.to_dict()))
-        await ex.end_stream()
+        async with self._send_lock:
+            await ex.send(sse_event(err.to_dict()))
+            await ex.end_stream()

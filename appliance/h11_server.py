@@ -10,7 +10,12 @@ Policies:
   keep-alive (closed silently), stalled writes (closed). A connection whose request body was not fully read
   is closed after the response (with a short lingering drain so the client sees the response, not a reset).
 - Shutdown: stop accepting, close idle keep-alive connections at once, let in-flight requests finish within
-  the grace period, then cancel what is left.
+  the grace period, then cut what is left: a response not started gets 503 `server_shutdown`; a started body
+  gets the application's error tail (`Exchange.stream_error`, an SSE error event) and a proper end of the
+  chunked body, within CUT_S; then every connection is cancelled. Writes are shielded from cancellation
+  (bounded by the write timeout, shortened at the cut), so a cancel never leaves half a chunk on the wire.
+- Content-Length together with Transfer-Encoding (RFC 9112 6.3, a request-smuggling vector) is a 400 and the
+  connection closes.
 - The application is one coroutine `app(exchange)`; it sees an Exchange (request head, read_body, respond,
   start_stream/send/end_stream), never a socket.
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import sys
 from dataclasses import dataclass
 from typing import Awaitable, Callable
@@ -29,13 +35,14 @@ import trio
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
-from .protocol.errors import ApiError, body_too_large, error_body, internal_error
+from .protocol.errors import ApiError, body_too_large, error_body, internal_error, server_shutdown
 
 log = logging.getLogger("appliance.server")
 
 RECV_SIZE = 65536
 LINGER_S = 2.0                 # lingering close after an unread request body
 LINGER_BYTES = 64 * 1024 * 1024
+CUT_S = 1.0                    # past the grace period: time to write the cut responses' last bytes
 
 
 @dataclass
@@ -80,6 +87,7 @@ class Exchange:
         self.response_started = False
         self.status: int | None = None
         self.complete = False
+        self.stream_error: Callable[[ApiError], bytes] | None = None  # a started body's last bytes on a cut
 
     def header(self, name: str, default: str | None = None) -> str | None:
         return self.headers.get(name.lower(), default)
@@ -91,6 +99,11 @@ class Exchange:
     @property
     def peer_gone(self) -> bool:
         return self._conn.peer_gone
+
+    @property
+    def cut(self) -> bool:
+        """The server cut this request at shutdown."""
+        return self._conn.cut
 
     async def read_body(self, limit: int | None = None) -> bytes:
         conn = self._conn
@@ -158,6 +171,9 @@ class _Connection:
         self._eof_fed = False
         self.served = 0
         self.overflow = False
+        self.cut = False                   # the server cut this connection's request at shutdown
+        self._write_deadline = math.inf    # no write may block past this (set at the cut)
+        self._write_scope: trio.CancelScope | None = None
 
     # ---- reading ---------------------------------------------------------------------------------------
     async def _read_loop(self) -> None:
@@ -225,6 +241,11 @@ class _Connection:
                     await self._send_error(ApiError(431, f"Request headers are larger than the limit of "
                                                          f"{self.cfg.max_header} bytes.", code="headers_too_large"))
                     return None
+                names = {k for k, _ in ev.headers}
+                if b"content-length" in names and b"transfer-encoding" in names:  # RFC 9112 6.3: smuggling
+                    await self._send_error(ApiError(400, "Malformed HTTP request: both Content-Length and "
+                                                         "Transfer-Encoding.", code="bad_http"))
+                    return None
                 return ev
             if ev is not h11.NEED_DATA:  # ConnectionClosed, PAUSED
                 return None
@@ -243,12 +264,47 @@ class _Connection:
         data = self.h11.send(event)
         if not data:
             return
-        try:
-            with trio.fail_after(self.cfg.write_timeout):
+        deadline = min(trio.current_time() + self.cfg.write_timeout, self._write_deadline)
+        broken = False
+        with trio.CancelScope(shield=True, deadline=deadline) as scope:  # whole chunks only
+            self._write_scope = scope
+            try:
                 await self.stream.send_all(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError):
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                broken = True
+        self._write_scope = None
+        if broken or scope.cancelled_caught:
             self.peer_gone = True
-            raise PeerGone() from None
+            raise PeerGone()
+        await trio.lowlevel.checkpoint_if_cancelled()
+
+    def cut_request(self, deadline: float) -> None:
+        """Shutdown past the grace period: end the running request now; writes stop at `deadline`."""
+        self.cut = True
+        self._write_deadline = deadline
+        if self._write_scope is not None:
+            self._write_scope.deadline = min(self._write_scope.deadline, deadline)
+        if self.request_scope is not None:
+            self.request_scope.cancel()
+        else:
+            self.scope.cancel()
+
+    async def _end_cut(self, exchange: Exchange) -> None:
+        """The last bytes of a request cut by shutdown: 503 if nothing was sent, else the stream's error tail
+        and the end of the chunked body."""
+        err = server_shutdown()
+        with trio.CancelScope(shield=True):
+            if not exchange.response_started:
+                return await self._send_error(err)
+            if self.h11.our_state is not h11.SEND_BODY:
+                return
+            try:
+                tail = exchange.stream_error(err) if exchange.stream_error is not None else b""
+                if tail:
+                    await self.send(h11.Data(data=tail))
+                await self.send(h11.EndOfMessage())
+            except (PeerGone, h11.LocalProtocolError):
+                pass
 
     async def _send_error(self, err: ApiError) -> None:
         if self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
@@ -305,6 +361,9 @@ class _Connection:
                     return
             self.request_scope = None
             self.served += 1
+            if self.cut and not self.peer_gone and not exchange.complete:
+                await self._end_cut(exchange)
+                return
             if scope.cancelled_caught or self.peer_gone or not exchange.complete:
                 return
             self._skip_buffered_body()
@@ -406,6 +465,12 @@ class HttpServer:
                 for conn in list(self.connections):
                     if conn.idle:
                         conn.scope.cancel()
+                await trio.sleep(0.02)
+        cut_deadline = trio.current_time() + CUT_S
+        for conn in list(self.connections):
+            conn.cut_request(cut_deadline)
+        with trio.move_on_at(cut_deadline + 0.2):
+            while self.connections:
                 await trio.sleep(0.02)
         for conn in list(self.connections):
             conn.scope.cancel()

@@ -3,13 +3,15 @@
 Policies:
 - Sources: `data:image/...;base64,` URIs. Remote http(s) URLs are refused (the board has no network and the
   server never fetches). Local files (`file:///abs/path` or `/abs/path`) are read only when the operator
-  allowed directories (`--image-dir`); the real path (symlinks resolved) must lie inside one of them. Anything
-  else is refused. Every refusal is an ImageError (a ValueError -> 400) naming the part.
+  allowed directories (`--image-dir`); the real path (symlinks resolved) must lie inside one of them and be a
+  regular file (opened non-blocking and checked with fstat, so a FIFO or device never blocks; a NUL byte in
+  the path is refused). Anything else is refused. Every refusal is an ImageError (a ValueError -> 400) naming the part.
 - Sizes: image bytes count against the request body limit. A data URI is inside the body already; a local
   file's size is added to the body's and the sum must stay within the limit (ImageBytesLimit -> 413). The
   pixel and token limits are the image processor's (max_pixels) and the context's (the caller checks).
 - `prepare_images` is synchronous CPU work (base64, Pillow decode, resize, patchify): the server runs it in a
-  worker thread, never inside async code. It never touches the model, so it may run beside the engine.
+  worker thread, never inside async code. It never touches the model, so it may run beside the engine. It
+  checks `should_stop` before each image (the client left): the remaining images are never decoded.
 """
 from __future__ import annotations
 
@@ -33,6 +35,10 @@ class ImageTokensOverContext(ImageError):
     def __init__(self, tokens: int, limit: int):
         super().__init__(f"the images need at least {tokens} tokens; the context holds {limit}")
         self.tokens, self.limit = tokens, limit
+
+
+class ImagesAbandoned(ImageError):
+    """should_stop() turned true between images: nobody waits for the result any more."""
 
 
 class ImageBytesLimit(ImageError):
@@ -84,20 +90,28 @@ def local_path(url: str) -> str | None:
 def read_local_file(path: str, allowed_dirs: Sequence[str], budget: int) -> bytes:
     if not allowed_dirs:
         raise ImageError("local image files are not enabled on this server (send a data: URI)")
+    if "\x00" in path:
+        raise ImageError("the image path contains a NUL byte")
     real = os.path.realpath(path)
     roots = [os.path.realpath(d) for d in allowed_dirs]
     if not any(os.path.commonpath([real, r]) == r for r in roots):
         raise ImageError("the image file is outside the allowed directories")
     try:
-        with open(real, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise ImageError("the image path is not a regular file")
-            if st.st_size > budget:
-                raise ImageBytesLimit(-1)
+        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        raise ImageError("the image file cannot be read") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ImageError("the image path is not a regular file")
+        if st.st_size > budget:
+            raise ImageBytesLimit(-1)
+        with os.fdopen(fd, "rb", closefd=False) as f:
             data = f.read(st.st_size + 1)
     except OSError:
         raise ImageError("the image file cannot be read") from None
+    finally:
+        os.close(fd)
     if len(data) > budget:
         raise ImageBytesLimit(-1)
     return data
@@ -118,7 +132,8 @@ def load_image_bytes(url: str, allowed_dirs: Sequence[str] = (), budget: int = 1
 
 def prepare_images(processor: ImageProcessor, image_token_id: int, prompt_ids: list[int],
                    urls: Sequence[tuple[str, str]], *, allowed_dirs: Sequence[str] = (), body_size: int = 0,
-                   body_limit: int = 1 << 62, max_tokens: int = 1 << 62) -> tuple[list[int], list[PixelPatches]]:
+                   body_limit: int = 1 << 62, max_tokens: int = 1 << 62, should_stop=lambda: False,
+                   on_decoded=lambda: None) -> tuple[list[int], list[PixelPatches]]:
     """Load and preprocess every image, expand each image-pad token into the image's token count.
     Errors are ImageError with the part named (ImageBytesLimit when local files break the body limit,
     ImageTokensOverContext as soon as the images' tokens alone pass max_tokens: later images are never
@@ -126,17 +141,21 @@ def prepare_images(processor: ImageProcessor, image_token_id: int, prompt_ids: l
     patches = []
     used, tokens = body_size, 0
     for where, url in urls:
+        if should_stop():
+            raise ImagesAbandoned("the client went away")
         try:
             data = load_image_bytes(url, allowed_dirs, body_limit - used)
             if not url[:5].lower().startswith("data:"):
                 used += len(data)
             img = decode_image(data)
+            on_decoded()
             h, w = processor.target_size(img.height, img.width)
             tokens += h * w // (processor.factor ** 2)
             if tokens >= max_tokens:
                 raise ImageTokensOverContext(tokens, max_tokens)
             patches.append(processor.preprocess(img))
-        except ImageTokensOverContext:
+            del img  # the decoded pixels go before the next image is read (and before a stop)
+        except (ImageTokensOverContext, ImagesAbandoned):
             raise
         except ImageBytesLimit:
             raise ImageBytesLimit(body_limit) from None

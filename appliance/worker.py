@@ -11,6 +11,9 @@ Policies:
 - The slot (a fair semaphore) belongs to the job once it starts and is released by the engine thread's
   report that the job ended, not by the HTTP side: a cancelled generation never overlaps the next one, and a
   client that reads slowly never holds the engine (its remaining events wait in its own channel).
+- Shutdown: close_queue() sends every waiter away (ShuttingDown, 503) and admits no one; the running job
+  keeps the grace period. A waiter that leaves before its turn (client gone, shutdown) is counted in
+  `requests_abandoned`, so /metrics accounts for every admitted request.
 - Cancellation: leaving a Ticket before its FinishEvent (client gone, shutdown) sets the job's cancel flag,
   which Engine.generate polls between prefill chunks and decode steps.
 - Every job leaves a JobTrace (polls of the cancel flag, tokens, what ran after the cancel) for tests and
@@ -40,6 +43,10 @@ class QueueFull(Exception):
 
 class NotReady(Exception):
     """The model is still loading (or failed to load)."""
+
+
+class ShuttingDown(Exception):
+    """The server is stopping: the queue takes no one and its waiters are sent away (503)."""
 
 
 @dataclass
@@ -80,6 +87,7 @@ class WorkerStats:
     requests_finished: int = 0
     requests_cancelled: int = 0
     requests_failed: int = 0
+    requests_abandoned: int = 0         # left the queue before their turn (client gone, shutdown)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     prefill_seconds: float = 0.0
@@ -131,6 +139,8 @@ class Worker:
         self._token: trio.lowlevel.TrioToken | None = None
         self._thread: threading.Thread | None = None
         self._avg_job_s = 2.0
+        self.closing = False
+        self._waiters: set[trio.CancelScope] = set()
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -145,6 +155,15 @@ class Worker:
             self._thread.join(timeout)
         self.state = "stopped" if self.state == "ready" else self.state
 
+    def engine_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def close_queue(self) -> None:
+        """Shutdown: admit no one; every request still waiting for its turn gets ShuttingDown."""
+        self.closing = True
+        for scope in list(self._waiters):
+            scope.cancel()
+
     @property
     def busy(self) -> bool:
         return self._slot.value == 0
@@ -152,6 +171,8 @@ class Worker:
     # ---- trio side -------------------------------------------------------------------------------------
     def admit(self) -> "Ticket":
         """A place in line, or QueueFull / NotReady at once. Use as `async with worker.admit() as ticket`."""
+        if self.closing:
+            raise ShuttingDown()
         if self.state != "ready":
             raise NotReady(self.state)
         if self.waiting + (1 if self.busy else 0) >= 1 + self.queue_limit:
@@ -262,9 +283,20 @@ class Ticket:
         return self
 
     async def wait_turn(self) -> None:
-        """Wait (FIFO) until the engine is free. Cancellable: a cancelled waiter just leaves the line."""
-        await self._worker._slot.acquire()
-        self._holding = True
+        """Wait (FIFO) until the engine is free. Cancellable: a cancelled waiter just leaves the line.
+        ShuttingDown when the queue is closed before its turn."""
+        w = self._worker
+        with trio.CancelScope() as scope:
+            if w.closing:
+                scope.cancel()
+            w._waiters.add(scope)
+            try:
+                await w._slot.acquire()
+                self._holding = True
+            finally:
+                w._waiters.discard(scope)
+        if not self._holding:
+            raise ShuttingDown()
         self._leave_line()
 
     def start(self, request: Any) -> trio.MemoryReceiveChannel:
@@ -289,7 +321,15 @@ class Ticket:
             self._waiting = False
             self._worker.waiting -= 1
 
+    def drop(self, abandoned: bool) -> None:
+        """Give the place in line back before waiting for the turn (the request failed, or its client left)."""
+        if abandoned and self._waiting:
+            self._worker.stats.requests_abandoned += 1
+        self._leave_line()
+
     async def __aexit__(self, *exc: Any) -> None:
+        if self._waiting:  # never got its turn
+            self._worker.stats.requests_abandoned += 1
         self._leave_line()
         if self._job is not None and not self._finished:
             self._job.request_cancel()

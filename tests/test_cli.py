@@ -149,20 +149,39 @@ def test_sigterm_lets_in_flight_stream_finish_then_exits_0(tiny_qwen3_tied):
     assert proc.wait(30) == 0
 
 
-def test_sigterm_cancels_what_outlives_the_grace_period(tiny_qwen3_tied):
-    proc, port = start_server(tiny_qwen3_tied, "--grace", "0.5")
+def test_sigterm_ends_what_outlives_the_grace_period_cleanly(tiny_qwen3_tied):
+    """Past --grace, a running stream gets an error event with code server_shutdown and a proper end of the
+    chunked body; requests still queued get 503 (a queued stream: the same error event) at once; the process
+    exits 0 within grace + 2 s."""
+    proc, port = start_server(tiny_qwen3_tied, "--grace", "1", "--queue", "2")
     c = RawClient(port)
     c.send(request_bytes("POST", "/v1/chat/completions",
                          chat_body("Hello", stream=True, max_tokens=3000, ignore_eos=True)))
     r = c.read_head()
     c.read_events(r, stop_after=3)
+    queued_stream, queued_json = RawClient(port), RawClient(port)
+    queued_stream.send(request_bytes("POST", "/v1/chat/completions", chat_body("Next", stream=True, max_tokens=4)))
+    rq = queued_stream.read_head()
+    queued_stream.read_events(rq, stop_after=1)
+    queued_json.send(request_bytes("POST", "/v1/chat/completions", chat_body("Later", max_tokens=4)))
+    time.sleep(0.3)  # both are in line
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(30) == 0
-    assert time.monotonic() - t0 < 15
-    c.read_events(r)  # the stream ends (closed without [DONE])
+    rj = queued_json.read_head()
+    err = json.loads(queued_json.read_body(rj))["error"]
+    assert rj.status == 503 and err["code"] == "server_shutdown"
+    queued_stream.read_events(rq)
+    assert rq._finished and rq.json_events()[-1]["error"]["code"] == "server_shutdown"
+    assert time.monotonic() - t0 < 0.9  # the queue is sent away at once, not after the grace period
+    c.read_events(r)
     c.close()
+    assert r._finished, "the chunked body did not end properly"
+    assert r.raw_body.endswith(b"0\r\n\r\n")
+    assert r.json_events()[-1]["error"]["code"] == "server_shutdown"
     assert b"data: [DONE]\n\n" not in r.data_events()
+    assert proc.wait(10) == 0
+    assert time.monotonic() - t0 < 1 + 2
+    assert "Traceback" not in proc.stderr.read()
 
 
 def test_threads_sizes_the_kernel_pool():

@@ -14,6 +14,7 @@ Policies:
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -161,6 +162,11 @@ class Tokenizer:
         if 0 <= token_id < len(self._table):
             return self._table[token_id]
         return b""
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most bytes one token stands for (a text of n bytes has at least n / this many tokens)."""
+        return max((len(b) for b in self._table), default=1) or 1
 
     def __len__(self) -> int:
         return self.vocab_size

@@ -99,6 +99,12 @@ def not_ready() -> ApiError:
                     headers=((b"Retry-After", b"1"),))
 
 
+def server_shutdown() -> ApiError:
+    """The server stopped before this request could be served (queued, or cut past the grace period)."""
+    return ApiError(503, "The server is shutting down; retry the request.", code="server_shutdown",
+                    headers=((b"Retry-After", b"5"),))
+
+
 def context_length_exceeded(prompt_tokens: int, max_tokens: int | None, context_length: int) -> ApiError:
     """A prompt (plus any requested max_tokens) that does not fit the model's context window."""
     if max_tokens is None:

@@ -21,6 +21,14 @@ METRICS: dict[str, tuple[str, str]] = {
     "kestrel_decode_seconds_total": ("counter", "Time spent in decode steps."),
     "kestrel_rejected_total": ("counter", "Requests turned away because the queue was full."),
     "kestrel_cancelled_total": ("counter", "Generations cancelled because the client went away."),
+    "kestrel_queue_abandoned_total": ("counter", "Requests that left the queue before their turn (client gone, "
+                                                 "shutdown)."),
+    "kestrel_images_decoded_total": ("counter", "Request images decoded."),
+    "kestrel_event_loop_lag_seconds": ("gauge", "Worst lateness of the event loop's timer wake-ups over the last "
+                                                "10-20 s."),
+    "kestrel_event_loop_stalls_total": ("counter", "Event loop timer wake-ups later than 100 ms."),
+    "kestrel_event_loop_lag_max_seconds": ("gauge", "Worst lateness of the event loop's timer wake-ups since "
+                                                    "start."),
     "kestrel_queue_depth": ("gauge", "Requests waiting for the engine."),
     "kestrel_busy": ("gauge", "1 while the engine is generating, else 0."),
     "kestrel_ready": ("gauge", "1 once the model is loaded."),

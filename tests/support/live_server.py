@@ -24,11 +24,12 @@ from appliance.worker import Worker
 class LiveServer:
     def __init__(self, model_dir: str, *, queue: int = 4, api_keys: tuple[str, ...] = (),
                  extension_events: bool = False, prefill_chunk: int = 256, ctx: int | None = None,
-                 queue_keepalive_s: float = 5.0, load=None, wait_ready: bool = True, **server_cfg):
+                 queue_keepalive_s: float = 5.0, load=None, wait_ready: bool = True, image_dirs=(), **server_cfg):
         self.model_dir = model_dir
         self.queue = queue
         self.api_cfg = ApiConfig(model_name=model_name(model_dir), api_keys=api_keys,
-                                 extension_events=extension_events, queue_keepalive_s=queue_keepalive_s)
+                                 extension_events=extension_events, queue_keepalive_s=queue_keepalive_s,
+                                 image_dirs=tuple(image_dirs))
         self.server_cfg = ServerConfig(host="127.0.0.1", port=0, **server_cfg)
         self._load = load or (lambda: load_model(model_dir, context_length=ctx, prefill_chunk=prefill_chunk))
         self._ready = threading.Event()
@@ -75,7 +76,9 @@ class LiveServer:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.server.serve)
             nursery.start_soon(ready)
+            nursery.start_soon(self.api.loop_lag.run)
             await self._stop.wait()
+            self.worker.close_queue()
             await self.server.shutdown(self._grace)
             nursery.cancel_scope.cancel()
 
