@@ -1,8 +1,8 @@
-"""The OpenAI-compatible application: routes, auth, CORS, and the two generation endpoints.
+"""The application: routes, auth, CORS, the OpenAI generation endpoints (the Ollama API is ollama_api.py).
 
 Policies:
-- Order of checks: route (404/405) -> API key (401; /health, /v1/models and CORS preflights stay open) ->
-  model loaded (503) -> body (413) -> fields (400) -> template + tokenizer + context (400) -> queue (429)
+- Order of checks: route (404/405) -> API key (401; /health, /v1/models, /, /api/version and CORS preflights
+  stay open) -> model loaded (503) -> body (413) -> fields (400) -> template + tokenizer + context (400) -> queue (429)
   -> images (400/413). Everything but the images is answered before the request takes a place in line;
   images are decoded only by a request that holds one (so a full queue turns image requests away before
   any pixel is decoded), one image at a time server-wide, stopping between images when the client leaves.
@@ -17,6 +17,7 @@ Policies:
   chunk (with timings), the usage chunk if asked, the extension events if asked, and `data: [DONE]`.
 - Stream and non-stream share one generation path (Generation below); only the framing differs.
 - The `model` field is not checked: the appliance serves one model and names it in every response.
+- Errors are OpenAI's error JSON, except under /api/ (Ollama's `{"error": "..."}`).
 - Keys are compared with hmac.compare_digest against every configured key (no early exit on the first match).
 """
 from __future__ import annotations
@@ -33,11 +34,13 @@ import trio
 from .engine.image_processing import ImageError
 from .generation import Generation
 from .h11_server import Exchange
+from .ollama_api import OllamaApi, is_ollama_path
 from .image_inputs import ImageBytesLimit, ImageTokensOverContext, image_urls, prepare_images
 from .offload import IMAGE_THREADS, PREP_THREADS, TRIM_BYTES, LoopLag, off_loop, trim_memory
 from .protocol import prometheus
 from .protocol.assemble import ChatAssembler, CompletionAssembler
 from .protocol.chunks import model_list
+from .protocol.ollama_stream import error_body as ollama_error_body
 from .protocol.errors import (ApiError, body_too_large, context_length_exceeded, error_body, invalid_api_key,
                               method_not_allowed, missing_api_key, not_found, not_ready, queue_full,
                               server_shutdown)
@@ -59,8 +62,8 @@ class ApiConfig:
     image_dirs: tuple[str, ...] = ()   # local image files allowed from these directories (none: data URIs only)
 
 
-OPEN_PATHS = {"/health", "/v1/models"}
-CORS_METHODS = b"GET, POST, OPTIONS"
+OPEN_PATHS = {"/health", "/v1/models", "/", "/api/version"}
+CORS_METHODS = b"GET, HEAD, POST, DELETE, OPTIONS"
 CORS_DEFAULT_HEADERS = b"Authorization, Content-Type"
 
 
@@ -83,6 +86,10 @@ class Api:
             "/v1/chat/completions": {"POST": self.chat},
             "/v1/completions": {"POST": self.completions},
         }
+        # GET / for a browser (Accept: text/html): the chat page's handler, when one is installed; otherwise
+        # (and for every other client) / answers Ollama's plain-text probe.
+        self.html_root: Callable[[Exchange], Awaitable[None]] | None = None
+        self.ollama = OllamaApi(self)
 
     # ---- dispatch --------------------------------------------------------------------------------------
     async def __call__(self, ex: Exchange) -> None:
@@ -111,7 +118,8 @@ class Api:
             if ex.response_started:  # an HTTP-level error after a stream began cannot be reported
                 raise
             counted = True
-            await self._respond(ex, endpoint, e.status, error_body(e),
+            body = ollama_error_body(e) if is_ollama_path(path) else error_body(e)
+            await self._respond(ex, endpoint, e.status, body,
                                 [(b"Content-Type", JSON_CONTENT_TYPE)] + list(e.headers))
         finally:
             if not counted:  # client gone, cut by shutdown, or a failure the server answers
@@ -149,7 +157,7 @@ class Api:
         if not ok:
             raise invalid_api_key()
 
-    def _loaded(self) -> Any:
+    def loaded(self) -> Any:
         if self.worker.state != "ready":
             raise not_ready()
         return self.worker.loaded
@@ -204,18 +212,27 @@ class Api:
 
     # ---- generation endpoints --------------------------------------------------------------------------
     async def chat(self, ex: Exchange) -> None:
-        loaded = self._loaded()
+        loaded = self.loaded()
         body = await ex.read_body()
         req, prompt, ids = await off_loop(lambda stop: self._prepare_chat(loaded, body), self._prep_limiter)
         out = ChatAssembler.for_request(req, model=self.cfg.model_name, created=int(time.time()),
                                         in_reasoning=prompt_ends_in_reasoning(prompt))
+        await self.generate_chat(ex, loaded, req, ids, out, len(body))
+
+    async def prepare(self, fn: Callable[[], Any]) -> Any:
+        """Run a request's preparation (parsing, template, tokenizer) in a worker thread, off the event loop."""
+        return await off_loop(lambda stop: fn(), self._prep_limiter)
+
+    async def generate_chat(self, ex: Exchange, loaded: Any, req: Any, ids: list[int], out: Any,
+                            body_size: int) -> None:
+        """A prepared chat-shaped request (any API's) through admission, its images, and the engine."""
         t_arrival = time.perf_counter()
-        ticket = self._admit()
+        ticket = self.admit()
         urls = image_urls(req.messages)
         if urls:
             try:
-                ids, images = await self._images(loaded, ex, urls, ids, len(body))
-                self._check_context(loaded, len(ids), req.max_tokens)
+                ids, images = await self._images(loaded, ex, urls, ids, body_size)
+                self.check_context(loaded, len(ids), req.max_tokens)
             except BaseException as e:
                 ticket.drop(abandoned=not isinstance(e, ApiError))
                 raise
@@ -227,25 +244,31 @@ class Api:
         """Worker thread: body -> (request, prompt text, prompt ids); ApiError for anything wrong."""
         req = parse_chat_request(body, defaults=loaded.default_sampling, context_length=loaded.context_length,
                                  images_supported=loaded.multimodal, stream_extensions=self.cfg.extension_events)
+        prompt, ids = self.render_prompt(loaded, req, len(body))
+        return req, prompt, ids
+
+    def render_prompt(self, loaded: Any, req: Any, body_size: int, check: bool = True) -> tuple[str, list[int]]:
+        """Worker thread: a ChatRequest's prompt text and ids (the context is checked here unless the request
+        has images, whose tokens are counted after decoding, or the caller checks it itself)."""
         try:
             prompt = loaded.chat_template.render(req.messages, tools=req.tools, add_generation_prompt=True,
                                                  **req.template_kwargs)
         except ValueError as e:  # ChatTemplateError: the template refused these messages
             raise ApiError(400, str(e), param="messages", code="invalid_messages") from None
-        ids = self._encode(loaded, prompt, req.max_tokens, len(body))
-        if not image_urls(req.messages):
-            self._check_context(loaded, len(ids), req.max_tokens)
-        return req, prompt, ids
+        ids = self.encode(loaded, prompt, req.max_tokens, body_size)
+        if check and not image_urls(req.messages):
+            self.check_context(loaded, len(ids), req.max_tokens)
+        return prompt, ids
 
     async def completions(self, ex: Exchange) -> None:
-        loaded = self._loaded()
+        loaded = self.loaded()
         body = await ex.read_body()
         req, ids, prompt_text = await off_loop(lambda stop: self._prepare_completion(loaded, body),
                                                self._prep_limiter)
         out = CompletionAssembler.for_request(req, model=self.cfg.model_name, created=int(time.time()),
                                               echo_text=prompt_text)
         t_arrival = time.perf_counter()
-        await Generation(self, loaded, ids, req, out).run(ex, self._admit(), t_arrival)
+        await Generation(self, loaded, ids, req, out).run(ex, self.admit(), t_arrival)
 
     def _prepare_completion(self, loaded: Any, body: bytes):
         """Worker thread: body -> (request, prompt ids, prompt text to echo)."""
@@ -253,7 +276,7 @@ class Api:
                                        context_length=loaded.context_length,
                                        stream_extensions=self.cfg.extension_events)
         if isinstance(req.prompt, str):
-            ids = self._encode(loaded, req.prompt, req.max_tokens, len(body))
+            ids = self.encode(loaded, req.prompt, req.max_tokens, len(body))
             prompt_text = req.prompt
         else:
             vocab = len(loaded.tokenizer)
@@ -263,10 +286,10 @@ class Api:
                                     f"{vocab}).", param="prompt", code="invalid_value")
             ids = list(req.prompt)
             prompt_text = loaded.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else ""
-        self._check_context(loaded, len(ids), req.max_tokens)
+        self.check_context(loaded, len(ids), req.max_tokens)
         return req, ids, prompt_text
 
-    def _encode(self, loaded: Any, text: str, max_tokens: int | None, body_size: int) -> list[int]:
+    def encode(self, loaded: Any, text: str, max_tokens: int | None, body_size: int) -> list[int]:
         """Token ids of text; a text whose bytes alone need more tokens than the context holds is refused
         untokenized (each token stands for at most max_token_bytes bytes; the factor 2 covers normalizers)."""
         tok = loaded.tokenizer
@@ -307,14 +330,14 @@ class Api:
     def _count_image(self) -> None:  # image threads run one at a time (IMAGE_THREADS)
         self.images_decoded += 1
 
-    def _check_context(self, loaded: Any, n_prompt: int, max_tokens: int | None) -> None:
+    def check_context(self, loaded: Any, n_prompt: int, max_tokens: int | None) -> None:
         ctx = loaded.context_length
         if n_prompt == 0:
             raise ApiError(400, "The prompt is empty.", param="messages", code="invalid_value")
         if n_prompt >= ctx or (max_tokens is not None and n_prompt + max_tokens > ctx):
             raise context_length_exceeded(n_prompt, max_tokens, ctx)
 
-    def _admit(self):
+    def admit(self):
         try:
             return self.worker.admit()
         except QueueFull as e:

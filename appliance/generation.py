@@ -5,12 +5,13 @@ when they are written.
 Policies:
 - Each event is written with its own socket write the moment the engine's event crosses into trio; nothing
   is batched (the closing events, which exist together, are still written one by one).
-- Waiting in line and in prefill: a stream gets an SSE comment every `queue_keepalive_s` until its first
-  token event; the comment writer runs beside the wait (cancelling the wait itself would lose the place in
+- Waiting in line and in prefill: a stream gets its assembler's keep-alive (an SSE comment; an empty NDJSON
+  line for Ollama) every `queue_keepalive_s` until its first token event; the comment writer runs beside the wait (cancelling the wait itself would lose the place in
   the FIFO line), shares a lock with the event writes, and each of its writes is shielded so a cancel never
   leaves half a comment on the wire.
 - Engine failures: before a stream starts, an error response (400 for ContextLengthError, else 500); inside a
-  stream, an `{"error": ...}` event (the openai client raises it as APIError) and the stream ends.
+  stream, the assembler's error event (`{"error": ...}`: the openai and ollama clients raise it) and the stream
+  ends.
 - Shutdown: a request still queued when the queue closes gets 503 `server_shutdown` (a stream: that error
   event, then the end of the body); a stream the server cuts past the grace period gets the same event
   (`Exchange.stream_error`), written by the server.
@@ -26,10 +27,9 @@ import trio
 
 from .engine.generate import FinishEvent, GenerationRequest, TokenEvent
 from .engine.kv_cache import ContextLengthError
-from .protocol.assemble import ChatAssembler, CompletionAssembler
 from .protocol.errors import ApiError, internal_error
 from .protocol.logprobs import entry_from_engine
-from .protocol.sse import SSE_HEADERS, sse_comment, sse_event
+from .protocol.sse import sse_event
 from .protocol.stats import GenerationStats
 from .protocol.errors import server_shutdown
 from .worker import EngineFailure, ShuttingDown, Ticket
@@ -45,7 +45,7 @@ def split_events(blob: bytes) -> list[bytes]:
 def _image_usage(body: dict, ev: FinishEvent) -> dict:
     """With images: usage.prompt_tokens_details splits prompt_tokens into text and image tokens (OpenAI's names)."""
     n = getattr(ev.timings, "image_tokens", 0)
-    if n and body.get("usage"):
+    if n and isinstance(body.get("usage"), dict) and "prompt_tokens" in body["usage"]:
         u = body["usage"]
         u["prompt_tokens_details"] = {"text_tokens": u["prompt_tokens"] - n, "image_tokens": n}
     return body
@@ -64,7 +64,7 @@ def _with_image_usage(event: bytes, ev: FinishEvent) -> bytes:
 
 class Generation:
     def __init__(self, api: Any, loaded: Any, prompt_ids: list[int], req: Any,
-                 assembler: ChatAssembler | CompletionAssembler, images: tuple = ()):
+                 assembler: Any, images: tuple = ()):
         self.api = api
         self.req = req
         self.prompt_ids = prompt_ids
@@ -85,11 +85,12 @@ class Generation:
         async with ticket:
             async with trio.open_nursery() as nursery:
                 if stream:
-                    await ex.start_stream(200, list(SSE_HEADERS) + self.api.cors_headers())
-                    ex.stream_error = lambda err: sse_event(err.to_dict())
+                    await ex.start_stream(200, list(self.out.stream_headers) + self.api.cors_headers())
+                    ex.stream_error = self.out.error_event
                     first = self.out.start()
-                    if first:
-                        await self._send(ex, first)
+                    for event in first if isinstance(first, list) else [first]:
+                        if event:
+                            await self._send(ex, event)
                     nursery.start_soon(self._keepalive, ex)
                 finish, failure = None, None
                 try:
@@ -109,10 +110,10 @@ class Generation:
                  ex.path, "stream" if stream else "json", finish.reason, stats.prompt_tokens,
                  stats.completion_tokens, stats.queue_ms, stats.ttft_ms, stats.tok_s)
         if not stream:
-            return await self.api.send_json(ex, _image_usage(self.out.response(finish.reason, finish.text, stats),
-                                                             finish))
+            body = self.out.response(finish.reason, finish.text, stats, completion_ids=finish.token_ids)
+            return await self.api.send_json(ex, _image_usage(body, finish))
         tail = self.out.finish(finish.reason, finish.text, stats, self.prompt_ids, finish.token_ids)
-        for event in split_events(tail):
+        for event in tail if isinstance(tail, list) else split_events(tail):
             await ex.send(_with_image_usage(event, finish))
         await ex.end_stream()
 
@@ -135,13 +136,14 @@ class Generation:
             await ex.send(data)
 
     async def _keepalive(self, ex: Any) -> None:
-        """SSE comments every queue_keepalive_s until the first event after the role frame: while queued
-        (`: queued`) and during a long prefill (`: prefill`), so proxies and clients with read timeouts stay."""
+        """The assembler's keep-alive every queue_keepalive_s until the first event after the opening one: while
+        queued and during a long prefill (SSE: `: queued` / `: prefill` comments), so proxies and clients with
+        read timeouts stay."""
         with self._keepalive_scope:
             while True:
                 await trio.sleep(self.api.cfg.queue_keepalive_s)
                 with trio.CancelScope(shield=True):  # never half a comment on the wire
-                    await self._send(ex, sse_comment(self._phase))
+                    await self._send(ex, self.out.keepalive(self._phase))
 
     async def _fail(self, ex: Any, error: BaseException | None) -> None:
         if isinstance(error, ApiError):
@@ -154,5 +156,5 @@ class Generation:
         if not ex.response_started:
             raise err
         async with self._send_lock:
-            await ex.send(sse_event(err.to_dict()))
+            await ex.send(self.out.error_event(err))
             await ex.end_stream()

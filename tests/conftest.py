@@ -55,3 +55,11 @@ def tiny_qwen3_moe_mlp_only(tmp_path_factory) -> str:
     """Layer 1 dense (mlp_only_layers), top-2 of 8 experts."""
     return tiny_models.build_qwen3_moe(str(tmp_path_factory.mktemp("tiny-moe-mlp-only")), seed=5,
                                        experts=8, top_k=2, mlp_only_layers=(1,), layers=3)
+
+
+@pytest.fixture(scope="session")
+def scripted_qwen3(tmp_path_factory) -> str:
+    """A tiny Qwen3 whose greedy output is scripted: thinks, then calls get_weather (thinking on), or answers
+    " Sunny in Paris today." (thinking off). See tests/support/scripted_model.py."""
+    from tests.support.scripted_model import build_scripted_qwen3
+    return build_scripted_qwen3(str(tmp_path_factory.mktemp("scripted-qwen3")))

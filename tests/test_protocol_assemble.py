@@ -210,7 +210,7 @@ def test_for_request_wires_the_parsed_flags():
         "tools": [{"type": "function", "function": {"name": "f"}}]}).encode())
     a = ChatAssembler.for_request(req, model="m", created=5, in_reasoning=True)
     assert a.chunks.completion_id.startswith("chatcmpl-") and a.chunks.include_usage
-    assert a._tools is not None and a._logprobs and a.include_tokens and not a.include_metrics
+    assert a.router.calls == [] and a.router._tools is not None and a._logprobs and a.include_tokens and not a.include_metrics
     assert events(a.token("r</think>", LogprobEntry(b"r", -1.0)))[0]["choices"][0]["delta"] == \
         {"reasoning_content": "r"}
     creq = parse_completion_request(b'{"prompt": "p", "echo": true, "stream": true}')

@@ -82,3 +82,50 @@ def test_random_bytes_end_in_a_400(seed):
         except ApiError as e:
             assert e.status == 400
             json.loads(error_body(e))
+
+
+# ---- the Ollama API (/api/chat, /api/generate) ----------------------------------------------------------
+
+OLLAMA_FIELDS = ["model", "messages", "prompt", "system", "raw", "context", "images", "stream", "think", "format",
+                 "options", "keep_alive", "tools", "suffix", "template"]
+OLLAMA_OPTION_KEYS = ["temperature", "top_p", "top_k", "min_p", "seed", "num_predict", "num_ctx", "stop",
+                      "repeat_penalty", "presence_penalty", "frequency_penalty", "mirostat"]
+OLLAMA_GOOD = {"model": "m", "messages": [{"role": "user", "content": "hi", "images": ["iVBORw0KGgo="]}],
+               "prompt": "hi", "stream": False, "think": True, "options": {"temperature": 0.5, "num_predict": 8},
+               "keep_alive": "5m", "tools": [{"type": "function", "function": {"name": "f"}}]}
+
+
+def ollama_mutate(rng: random.Random) -> dict:
+    body = {k: v for k, v in OLLAMA_GOOD.items() if rng.random() < 0.7}
+    for _ in range(rng.randint(1, 4)):
+        body[rng.choice(OLLAMA_FIELDS)] = rand_value(rng)
+    if rng.random() < 0.5:
+        body["options"] = {rng.choice(OLLAMA_OPTION_KEYS): rand_value(rng, 2) for _ in range(rng.randint(0, 3))}
+    if rng.random() < 0.4:
+        body["messages"] = [{"role": rng.choice(["user", "assistant", "tool", "x"]), "content": rand_value(rng, 2),
+                             rng.choice(["images", "tool_calls", "thinking", "tool_name"]): rand_value(rng, 2)}
+                            for _ in range(rng.randint(0, 3))]
+    return body
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ollama_bodies_end_in_a_request_or_a_400(seed):
+    from appliance.protocol.ollama_requests import OllamaRequest, parse_ollama_chat, parse_ollama_generate
+    from appliance.protocol.ollama_stream import error_body as ollama_error_body
+    rng = random.Random(1000 + seed)
+    outcomes = {"ok": 0, "400": 0}
+    for _ in range(400):
+        raw = json.dumps(ollama_mutate(rng)).encode()
+        if rng.random() < 0.1:
+            raw = raw[:rng.randrange(len(raw))]
+        for parse in (parse_ollama_chat, parse_ollama_generate):
+            try:
+                r = parse(raw, defaults={"temperature": 0.6}, context_length=4096, images_supported=rng.random() < 0.5)
+            except ApiError as e:
+                assert e.status == 400 and e.message
+                assert set(json.loads(ollama_error_body(e))) == {"error"}
+                outcomes["400"] += 1
+            else:
+                assert isinstance(r, OllamaRequest)
+                outcomes["ok"] += 1
+    assert outcomes["ok"] > 0 and outcomes["400"] > 0

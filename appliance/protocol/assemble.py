@@ -15,14 +15,23 @@ from typing import Any, Callable, Sequence
 from appliance.protocol.chunks import (ChatChunks, CompletionChunks, chat_completion, new_completion_id,
                                        text_completion)
 from appliance.protocol.logprobs import LogprobEntry
-from appliance.protocol.reasoning import ReasoningSplitter
-from appliance.protocol.sse import SSE_DONE, sse_event
+from appliance.protocol.router import OutputRouter
+from appliance.protocol.sse import SSE_DONE, SSE_HEADERS, sse_comment, sse_event
 from appliance.protocol.stats import GenerationStats
-from appliance.protocol.tool_calls import ToolCallParser, new_call_id
+from appliance.protocol.tool_calls import new_call_id
 
 
 class _Tail:
-    """The closing events both endpoints share."""
+    """The closing events both endpoints share, and their SSE framing (other APIs' assemblers have their own)."""
+    stream_headers = SSE_HEADERS
+
+    def keepalive(self, phase: str) -> bytes:
+        """Sent while the request waits in the queue or in a long prefill."""
+        return sse_comment(phase)
+
+    def error_event(self, err: Any) -> bytes:
+        """An error after the stream began (the openai client raises it as APIError)."""
+        return sse_event(err.to_dict())
 
     def __init__(self, include_metrics: bool, include_tokens: bool):
         self.include_metrics = include_metrics
@@ -49,20 +58,15 @@ class ChatAssembler(_Tail):
                  include_tokens: bool = False, new_id: Callable[[], str] = new_call_id):
         super().__init__(include_metrics, include_tokens)
         self.chunks = chunks
-        self._splitter = ReasoningSplitter(in_reasoning) if reasoning else None
-        self._tools = ToolCallParser(new_id) if tools else None
+        self.router = OutputRouter(in_reasoning=in_reasoning, reasoning=reasoning, tools=tools, new_id=new_id)
         self._logprobs = logprobs
         self._pending_lp: list[LogprobEntry] = []
-        self.reasoning_parts: list[str] = []
-        self.content_parts: list[str] = []
         self.logprob_entries: list[LogprobEntry] = []
-        self._reasoning_token_count = 0
 
     @property
     def reasoning_tokens(self) -> int | None:
         """Tokens spent inside think blocks (None when the model did not think)."""
-        saw = self._splitter is not None and self._splitter.saw_reasoning
-        return self._reasoning_token_count if saw else None
+        return self.router.reasoning_tokens
 
     @classmethod
     def for_request(cls, req: Any, *, model: str, created: int, in_reasoning: bool = False,
@@ -74,40 +78,12 @@ class ChatAssembler(_Tail):
                    logprobs=req.sampling.logprobs, include_metrics=req.include_metrics,
                    include_tokens=req.include_tokens)
 
-    # -- routing ---------------------------------------------------------------------------------------
-    def _route(self, text: str, final: bool) -> tuple[str, str, list[dict[str, Any]]]:
-        if self._splitter is None:
-            pieces = [("content", text)] if text else []
-        else:
-            pieces = self._splitter.push(text) + (self._splitter.flush() if final else [])
-        reasoning, content, calls = [], [], []
-        for kind, piece in pieces:
-            if kind == "reasoning":
-                reasoning.append(piece)
-            elif self._tools is None:
-                content.append(piece)
-            else:
-                self._sort(self._tools.push(piece), content, calls)
-        if final and self._tools is not None:
-            self._sort(self._tools.flush(), content, calls)
-        r, c = "".join(reasoning), "".join(content)
-        self.reasoning_parts.append(r)
-        self.content_parts.append(c)
-        return r, c, calls
-
-    @staticmethod
-    def _sort(pieces: list, content: list[str], calls: list[dict[str, Any]]) -> None:
-        for kind, value in pieces:
-            if kind == "content":
-                content.append(value)
-            else:
-                calls.append(value)
-
-    def _delta(self, text: str, logprob: LogprobEntry | None, final: bool) -> bytes:
+    def _delta(self, routed: tuple[str, str, list[dict[str, Any]]], logprob: LogprobEntry | None,
+               final: bool) -> bytes:
         if logprob is not None and self._logprobs:
             self._pending_lp.append(logprob)
             self.logprob_entries.append(logprob)
-        r, c, calls = self._route(text, final)
+        r, c, calls = routed
         if not (r or c or calls or (final and self._pending_lp)):
             return b""
         n0 = len(self.calls) - len(calls)
@@ -119,7 +95,7 @@ class ChatAssembler(_Tail):
 
     @property
     def calls(self) -> list[dict[str, Any]]:
-        return self._tools.calls if self._tools is not None else []
+        return self.router.calls
 
     def finish_reason(self, reason: str) -> str:
         return "tool_calls" if reason == "stop" and self.calls else reason
@@ -131,29 +107,24 @@ class ChatAssembler(_Tail):
 
     def token(self, text: str, logprob: LogprobEntry | None = None) -> bytes:
         """The event of one decoded token (b"" when its text is held back)."""
-        was_reasoning = self._splitter is not None and self._splitter.in_reasoning
-        ev = self._delta(text, logprob, final=False)
-        if was_reasoning or (self._splitter is not None and self._splitter.in_reasoning):
-            self._reasoning_token_count += 1
-        return ev
+        return self._delta(self.router.token(text), logprob, final=False)
 
     def finish(self, reason: str, text: str, stats: GenerationStats, prompt_ids: Sequence[int] = (),
                completion_ids: Sequence[int] = ()) -> bytes:
         """Everything after the last token, through [DONE]."""
-        head = self._delta(text, None, final=True)
+        head = self._delta(self.router.push(text, final=True), None, final=True)
         return head + self.tail(self.chunks, self.chunks.finish(self.finish_reason(reason), stats), stats,
                                 prompt_ids, completion_ids, self.reasoning_tokens)
 
     # -- non-stream ----------------------------------------------------------------------------------------
-    def response(self, reason: str, text: str, stats: GenerationStats) -> dict[str, Any]:
+    def response(self, reason: str, text: str, stats: GenerationStats,
+                 completion_ids: Sequence[int] = ()) -> dict[str, Any]:
         """The chat.completion object, after every token went through token() (their bytes ignored)."""
-        self._delta(text, None, final=True)
-        content = "".join(self.content_parts)
-        reasoning = "".join(self.reasoning_parts)
-        saw_reasoning = self._splitter is not None and self._splitter.saw_reasoning
+        self._delta(self.router.push(text, final=True), None, final=True)
+        content = self.router.content
         return chat_completion(self.chunks.completion_id, self.chunks.model, self.chunks.created,
                                content=None if (self.calls and not content) else content,
-                               reasoning_content=reasoning if saw_reasoning else None,
+                               reasoning_content=self.router.reasoning if self.router.saw_reasoning else None,
                                finish_reason=self.finish_reason(reason), prompt_tokens=stats.prompt_tokens,
                                completion_tokens=stats.completion_tokens, timings=stats,
                                logprobs=self.logprob_entries if self._logprobs else None,
@@ -208,7 +179,8 @@ class CompletionAssembler(_Tail):
         head = self._piece(text, None, final=True)
         return head + self.tail(self.chunks, self.chunks.finish(reason, stats), stats, prompt_ids, completion_ids)
 
-    def response(self, reason: str, text: str, stats: GenerationStats) -> dict[str, Any]:
+    def response(self, reason: str, text: str, stats: GenerationStats,
+                 completion_ids: Sequence[int] = ()) -> dict[str, Any]:
         if text:
             self.parts.append(text)
         return text_completion(self.chunks.completion_id, self.chunks.model, self.chunks.created,

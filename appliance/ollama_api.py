@@ -1,0 +1,250 @@
+"""The Ollama API on the appliance's port: /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version,
+and the root probe. Request parsing and response shapes live in protocol/ollama_*.py; generation goes through the
+same Generation path (admission, queue, keep-alives, cancel on disconnect) as the OpenAI routes.
+
+Policies:
+- Errors come in Ollama's shape `{"error": "..."}` with the same status codes as the OpenAI routes (the Api
+  dispatcher renders every ApiError under /api/ that way), including 429 when the queue is full.
+- The `model` field is not matched against the served model on chat / generate (one model, named in every
+  answer, as on the OpenAI routes); /api/show answers for the served name (with or without ":latest") only.
+- Model management makes no sense on a fixed-model appliance: pull, push, create, delete, copy, blobs and the
+  embedding endpoints answer 400 naming the served model.
+- `GET /` and `HEAD /` answer "Ollama is running" (text/plain), the probe Ollama clients send; a browser asking
+  for text/html gets `Api.html_root` instead when one is installed (the chat page).
+- /api/version reports OLLAMA_COMPAT_VERSION: the Ollama release whose API this one follows (thinking, tool
+  streaming), so clients that gate features on the version enable them.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from dataclasses import replace
+from typing import Any
+
+import trio
+
+from .h11_server import Exchange
+from .protocol.errors import ApiError
+from .protocol.fields import load_json_object
+from .protocol.ollama_requests import OllamaRequest, parse_ollama_chat, parse_ollama_generate
+from .protocol.ollama_stream import (OllamaChatAssembler, OllamaGenerateAssembler, load_response, rfc3339)
+from .protocol.reasoning import prompt_ends_in_reasoning
+
+OLLAMA_COMPAT_VERSION = "0.12.0"
+ROOT_TEXT = b"Ollama is running"
+REFUSED = ("/api/pull", "/api/push", "/api/create", "/api/delete", "/api/copy", "/api/embed", "/api/embeddings")
+NEVER_EXPIRES = "2318-01-01T00:00:00Z"     # keep_alive < 0 in Ollama's /api/ps: the model is never unloaded
+
+
+def is_ollama_path(path: str) -> bool:
+    return path == "/api" or path.startswith("/api/")
+
+
+def model_facts(loaded: Any, name: str) -> dict[str, Any]:
+    """What /api/tags, /api/show and /api/ps say about the served model (reads file sizes: run off the loop)."""
+    path = loaded.path
+    files = [path] if os.path.isfile(path) else [os.path.join(path, f) for f in sorted(os.listdir(path))]
+    size = sum(os.path.getsize(f) for f in files if os.path.isfile(f) and f.endswith((".gguf", ".safetensors")))
+    mtime = max((os.path.getmtime(f) for f in files if os.path.isfile(f)), default=time.time())
+    cfg = loaded.config
+    family = getattr(cfg, "model_type", "") or "unknown"
+    fmt = "gguf" if path.endswith(".gguf") else "safetensors"
+    quant = _quantization(path, fmt)
+    params = parameter_count(cfg)
+    template = loaded.chat_template.source_for(None) if hasattr(loaded.chat_template, "source_for") else ""
+    caps = ["completion"]
+    if loaded.multimodal:
+        caps.append("vision")
+    if "tools" in template:
+        caps.append("tools")
+    if "<think>" in template or "enable_thinking" in template:
+        caps.append("thinking")
+    details = {"parent_model": "", "format": fmt, "family": family, "families": [family],
+               "parameter_size": _human(params), "quantization_level": quant}
+    digest = hashlib.sha256(f"{os.path.abspath(path)}\0{size}\0{mtime}".encode()).hexdigest()
+    return {"name": name, "size": size, "modified_at": rfc3339(mtime), "digest": digest, "details": details,
+            "capabilities": caps, "template": template, "parameter_count": params, "family": family}
+
+
+def parameter_count(cfg: Any) -> int:
+    """Weights in the decoder from its config (embeddings, attention, MLP or experts, LM head when untied)."""
+    g = lambda k, d=0: getattr(cfg, k, d) or d  # noqa: E731
+    h, layers, hd = g("hidden_size"), g("num_hidden_layers"), g("head_dim")
+    attn = h * hd * (2 * g("num_attention_heads") + 2 * g("num_key_value_heads"))
+    experts = g("num_experts")
+    mlp = 3 * h * experts * g("moe_intermediate_size") + h * experts if experts else 3 * h * g("intermediate_size")
+    emb = g("vocab_size") * h * (1 if g("tie_word_embeddings", False) else 2)
+    return emb + layers * (attn + mlp)
+
+
+def _human(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
+
+
+def _quantization(path: str, fmt: str) -> str:
+    if fmt == "gguf":
+        m = re.search(r"(?i)(IQ\d_\w+|Q\d_K(_[SML])?|Q\d_\d|BF16|F16|F32)", os.path.basename(path))
+        return m.group(1).upper() if m else "unknown"
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return "unknown"
+    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or cfg.get("text_config", {}).get("dtype", ""))
+    return {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}.get(dtype, dtype.upper() or "unknown")
+
+
+class OllamaApi:
+    def __init__(self, api: Any):
+        self.api = api
+        self._facts: dict[str, Any] | None = None
+        api.routes.update({
+            "/": {"GET": self.root, "HEAD": self.root},
+            "/api/chat": {"POST": self.chat},
+            "/api/generate": {"POST": self.generate},
+            "/api/tags": {"GET": self.tags},
+            "/api/show": {"POST": self.show},
+            "/api/ps": {"GET": self.ps},
+            "/api/version": {"GET": self.version},
+            **{p: {"POST": self.refused, "DELETE": self.refused} for p in REFUSED},
+        })
+
+    @property
+    def name(self) -> str:
+        return self.api.cfg.model_name
+
+    async def facts(self) -> dict[str, Any]:
+        if self._facts is None:
+            loaded = self.api.loaded()
+            self._facts = await trio.to_thread.run_sync(model_facts, loaded, self.name)
+        return self._facts
+
+    # ---- probes and model listing ----------------------------------------------------------------------
+    async def root(self, ex: Exchange) -> None:
+        accept = ex.header("accept") or ""
+        if self.api.html_root is not None and "text/html" in accept:
+            return await self.api.html_root(ex)
+        headers = [(b"Content-Type", b"text/plain; charset=utf-8")] + self.api.cors_headers()
+        if ex.method == "HEAD":  # the GET's headers, no body
+            await ex.start_stream(200, headers + [(b"Content-Length", str(len(ROOT_TEXT)).encode())])
+            return await ex.end_stream()
+        await ex.respond(200, headers, ROOT_TEXT)
+
+    async def version(self, ex: Exchange) -> None:
+        await self.api.send_json(ex, {"version": OLLAMA_COMPAT_VERSION})
+
+    def _entry(self, f: dict[str, Any]) -> dict[str, Any]:
+        return {"name": self.name, "model": self.name, "modified_at": f["modified_at"], "size": f["size"],
+                "digest": f["digest"], "details": f["details"]}
+
+    async def tags(self, ex: Exchange) -> None:
+        models = [self._entry(await self.facts())] if self.api.worker.state == "ready" else []
+        await self.api.send_json(ex, {"models": models})
+
+    async def ps(self, ex: Exchange) -> None:
+        models = []
+        if self.api.worker.state == "ready":
+            f = await self.facts()
+            models.append({**self._entry(f), "expires_at": NEVER_EXPIRES, "size_vram": 0,
+                           "context_length": self.api.worker.loaded.context_length})
+        await self.api.send_json(ex, {"models": models})
+
+    async def show(self, ex: Exchange) -> None:
+        loaded = self.api.loaded()
+        data = load_json_object(await ex.read_body())
+        wanted = data.get("model", data.get("name"))
+        if not isinstance(wanted, str) or not wanted:
+            raise ApiError(400, "model is required", param="model")
+        if wanted not in (self.name, f"{self.name}:latest"):
+            raise ApiError(404, f"model '{wanted}' not found", param="model", code="model_not_found")
+        f = await self.facts()
+        cfg = loaded.config
+        arch = f["family"]
+        info = {"general.architecture": arch, "general.parameter_count": f["parameter_count"],
+                f"{arch}.context_length": loaded.context_length,
+                f"{arch}.embedding_length": getattr(cfg, "hidden_size", 0),
+                f"{arch}.block_count": getattr(cfg, "num_hidden_layers", 0),
+                f"{arch}.attention.head_count": getattr(cfg, "num_attention_heads", 0),
+                f"{arch}.attention.head_count_kv": getattr(cfg, "num_key_value_heads", 0)}
+        params = "\n".join(f"{k:<16}{v}" for k, v in sorted(loaded.default_sampling.items())
+                           if isinstance(v, (int, float)) and not isinstance(v, bool))
+        modelfile = (f"# Served by kestrel-appliance (a fixed model; Modelfiles are not used)\n"
+                     f"FROM {loaded.path}\n")
+        await self.api.send_json(ex, {"license": "", "modelfile": modelfile, "parameters": params,
+                                      "template": f["template"], "details": f["details"], "model_info": info,
+                                      "capabilities": f["capabilities"], "modified_at": f["modified_at"]})
+
+    async def refused(self, ex: Exchange) -> None:
+        what = ex.path.rstrip("/").rsplit("/", 1)[-1]
+        raise ApiError(400, f"{ex.path} is not supported: this appliance serves one fixed model "
+                            f"('{self.name}'), so models cannot be {_VERBS.get(what, 'managed')} here.",
+                       code="unsupported_endpoint")
+
+    # ---- generation ------------------------------------------------------------------------------------
+    async def _parse(self, ex: Exchange, parse: Any):
+        """(loaded, body, request), or None when it was a load / unload request (answered here)."""
+        loaded = self.api.loaded()
+        body = await ex.read_body()
+        o = await self.api.prepare(lambda: parse(body, defaults=loaded.default_sampling,
+                                                 context_length=loaded.context_length,
+                                                 images_supported=loaded.multimodal))
+        if o.load_only:
+            await self.api.send_json(ex, load_response(self.name, chat=parse is parse_ollama_chat, unload=o.unload,
+                                                       now=rfc3339()))
+            return None
+        return loaded, body, o
+
+    def _prompt(self, loaded: Any, o: OllamaRequest, body_size: int):
+        """Worker thread: (prompt text, prompt ids, the request fitted to the context)."""
+        if o.raw:
+            prompt = o.prompt
+            ids = self.api.encode(loaded, prompt, o.request.max_tokens, body_size)
+        else:
+            prompt, ids = self.api.render_prompt(loaded, o.request, body_size, check=False)
+        vocab = len(loaded.tokenizer)
+        bad = [t for t in o.context if t >= vocab]
+        if bad:
+            raise ApiError(400, f"Invalid 'context': token id {bad[0]} is out of range (vocabulary size {vocab}).",
+                           param="context")
+        ids = [*o.context, *ids]
+        return prompt, ids, self._fit(loaded, o, len(ids))
+
+    async def chat(self, ex: Exchange) -> None:
+        parsed = await self._parse(ex, parse_ollama_chat)
+        if parsed is None:
+            return
+        loaded, body, o = parsed
+        prompt, ids, req = await self.api.prepare(lambda: self._prompt(loaded, o, len(body)))
+        out = OllamaChatAssembler(self.name, in_reasoning=prompt_ends_in_reasoning(prompt), tools=bool(req.tools))
+        await self.api.generate_chat(ex, loaded, req, ids, out, len(body))
+
+    async def generate(self, ex: Exchange) -> None:
+        parsed = await self._parse(ex, parse_ollama_generate)
+        if parsed is None:
+            return
+        loaded, body, o = parsed
+        prompt, ids, req = await self.api.prepare(lambda: self._prompt(loaded, o, len(body)))
+        out = OllamaGenerateAssembler(self.name, ids, in_reasoning=prompt_ends_in_reasoning(prompt))
+        await self.api.generate_chat(ex, loaded, req, ids, out, len(body))
+
+    def _fit(self, loaded: Any, o: OllamaRequest, n_prompt: int):
+        """The request checked against the context (num_ctx, when smaller, is this request's context)."""
+        req = o.request
+        if o.num_ctx is not None and o.num_ctx < loaded.context_length:
+            if n_prompt >= o.num_ctx:
+                raise ApiError(400, f"The prompt is {n_prompt} tokens; options.num_ctx is {o.num_ctx}.",
+                               param="options.num_ctx", code="context_length_exceeded")
+            room = o.num_ctx - n_prompt
+            req = replace(req, max_tokens=min(req.max_tokens or room, room))
+        if req.max_tokens is not None and n_prompt + req.max_tokens > loaded.context_length:
+            req = replace(req, max_tokens=max(loaded.context_length - n_prompt, 1))  # Ollama stops at the context
+        self.api.check_context(loaded, n_prompt, req.max_tokens)
+        return req
+
+
+_VERBS = {"pull": "pulled", "push": "pushed", "create": "created", "delete": "deleted", "copy": "copied",
+          "embed": "used for embeddings", "embeddings": "used for embeddings"}
+

@@ -1,0 +1,88 @@
+"""Generated text -> reasoning, content and tool calls, token by token: the split every API's assembler shares.
+
+Policies:
+- Every token's text goes through the reasoning splitter (when the API reports reasoning) and then, when the
+  request has tools, through the tool-call parser; so chat completions, the Ollama API and the Responses API
+  report the same reasoning / content / tool calls for the same tokens, stream and non-stream alike.
+- A token counts as a reasoning token when the splitter was or is inside a think block around it.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from appliance.protocol.reasoning import ReasoningSplitter
+from appliance.protocol.tool_calls import ToolCallParser, new_call_id
+
+Routed = tuple[str, str, list[dict[str, Any]]]   # (reasoning, content, tool calls completed by this text)
+
+
+class OutputRouter:
+    def __init__(self, *, in_reasoning: bool = False, reasoning: bool = True, tools: bool = False,
+                 new_id: Callable[[], str] = new_call_id):
+        self._splitter = ReasoningSplitter(in_reasoning) if reasoning else None
+        self._tools = ToolCallParser(new_id) if tools else None
+        self.reasoning_parts: list[str] = []
+        self.content_parts: list[str] = []
+        self._reasoning_token_count = 0
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self._splitter is not None and self._splitter.in_reasoning
+
+    @property
+    def saw_reasoning(self) -> bool:
+        return self._splitter is not None and self._splitter.saw_reasoning
+
+    @property
+    def reasoning_tokens(self) -> int | None:
+        """Tokens spent inside think blocks (None when the model did not think)."""
+        return self._reasoning_token_count if self.saw_reasoning else None
+
+    @property
+    def calls(self) -> list[dict[str, Any]]:
+        return self._tools.calls if self._tools is not None else []
+
+    @property
+    def content(self) -> str:
+        return "".join(self.content_parts)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self.reasoning_parts)
+
+    def token(self, text: str) -> Routed:
+        """One decoded token's text."""
+        was_reasoning = self.in_reasoning
+        routed = self.push(text, final=False)
+        if was_reasoning or self.in_reasoning:
+            self._reasoning_token_count += 1
+        return routed
+
+    def push(self, text: str, final: bool) -> Routed:
+        """Text (final: the released tail; everything held back comes out)."""
+        if self._splitter is None:
+            pieces = [("content", text)] if text else []
+        else:
+            pieces = self._splitter.push(text) + (self._splitter.flush() if final else [])
+        reasoning, content, calls = [], [], []
+        for kind, piece in pieces:
+            if kind == "reasoning":
+                reasoning.append(piece)
+            elif self._tools is None:
+                content.append(piece)
+            else:
+                self._sort(self._tools.push(piece), content, calls)
+        if final and self._tools is not None:
+            self._sort(self._tools.flush(), content, calls)
+        r, c = "".join(reasoning), "".join(content)
+        self.reasoning_parts.append(r)
+        self.content_parts.append(c)
+        return r, c, calls
+
+    @staticmethod
+    def _sort(pieces: list, content: list[str], calls: list[dict[str, Any]]) -> None:
+        for kind, value in pieces:
+            if kind == "content":
+                content.append(value)
+            else:
+                calls.append(value)
