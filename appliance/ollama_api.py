@@ -213,21 +213,22 @@ class OllamaApi:
         return prompt, ids, self._fit(loaded, o, len(ids))
 
     async def chat(self, ex: Exchange) -> None:
-        parsed = await self._parse(ex, parse_ollama_chat)
-        if parsed is None:
-            return
-        loaded, body, o = parsed
-        prompt, ids, req = await self.api.prepare(lambda: self._prompt(loaded, o, len(body)))
-        out = OllamaChatAssembler(self.name, in_reasoning=prompt_ends_in_reasoning(prompt), tools=bool(req.tools))
-        await self.api.generate_chat(ex, loaded, req, ids, out, len(body))
+        await self._run(ex, parse_ollama_chat)
 
     async def generate(self, ex: Exchange) -> None:
-        parsed = await self._parse(ex, parse_ollama_generate)
+        await self._run(ex, parse_ollama_generate)
+
+    async def _run(self, ex: Exchange, parse: Any) -> None:
+        parsed = await self._parse(ex, parse)
         if parsed is None:
             return
         loaded, body, o = parsed
         prompt, ids, req = await self.api.prepare(lambda: self._prompt(loaded, o, len(body)))
-        out = OllamaGenerateAssembler(self.name, ids, in_reasoning=prompt_ends_in_reasoning(prompt))
+        in_reasoning = prompt_ends_in_reasoning(prompt)
+        if parse is parse_ollama_chat:
+            out = OllamaChatAssembler(self.name, in_reasoning=in_reasoning, tools=bool(req.tools))
+        else:
+            out = OllamaGenerateAssembler(self.name, ids, in_reasoning=in_reasoning)
         await self.api.generate_chat(ex, loaded, req, ids, out, len(body))
 
     def _fit(self, loaded: Any, o: OllamaRequest, n_prompt: int):
