@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("--api-key-file", metavar="FILE", help="read the key(s) from FILE, one per line")
     s.add_argument("--queue", type=int, default=4, metavar="N", help="requests that may wait (default 4)")
     s.add_argument("--ctx", type=int, metavar="N", help="context length in tokens (default: model's, max 4096)")
-    s.add_argument("--threads", type=int, metavar="N", help="threads for numpy/BLAS")
+    s.add_argument("--threads", type=int, metavar="N", help="threads of the C kernels' pool (big cores first); also caps BLAS/OpenMP pools")
     s.add_argument("--prefill-chunk", type=int, default=256, metavar="N", help="prompt tokens per prefill step")
     s.add_argument("--moe-release-pages", action="store_true",
                    help="mixture-of-experts models: give each expert's weight pages back to the kernel after use, "
@@ -114,41 +114,29 @@ def _read_keys(args: argparse.Namespace) -> tuple[str, ...]:
     return keys
 
 
+def load_options(args: argparse.Namespace):
+    """The load-time flags as one LoadOptions."""
+    from .engine.load import LoadOptions
+    return LoadOptions(context_length=args.ctx, prefill_chunk=args.prefill_chunk, threads=args.threads,
+                       moe_release_pages=args.moe_release_pages, image_max_pixels=args.image_max_pixels)
+
+
 def _load(args: argparse.Namespace):
-    from .engine.model_dir import load_model
-    if args.threads:
-        set_native_threads(args.threads)
-    loaded = load_model(args.model, context_length=args.ctx, prefill_chunk=args.prefill_chunk)
-    if args.moe_release_pages:
-        from .engine.qwen3_moe import set_release_pages
-        set_release_pages(loaded.model, True)
+    from .engine.load import load_model
+    loaded = load_model(args.model, load_options(args))
     loaded.engine.warm_up()
-    if args.image_max_pixels and loaded.multimodal:
-        loaded.model.image_processor = loaded.model.image_processor.capped(args.image_max_pixels)
     return loaded
-
-
-def set_native_threads(n: int) -> int | None:
-    """The C kernels' pool size: big cores first, pinned, then the next biggest (None without the library)."""
-    from .native import kernels
-    if not kernels.available():
-        return None
-    return kernels.configure_threads(n)
 
 
 def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def model_name(path: str) -> str:
-    return os.path.basename(os.path.abspath(path).rstrip("/")) or "model"
-
-
 # ---- one-shot -------------------------------------------------------------------------------------------
 
 def run_prompt(args: argparse.Namespace) -> int:
     from .engine.generate import FinishEvent, GenerationRequest
-    from .engine.model_dir import ModelLoadError
+    from .engine.load import ModelLoadError
     from .engine.sampling import SamplingParamError, SamplingParams
 
     try:
@@ -191,6 +179,7 @@ async def serve(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
 
     from . import systemd
     from .api import Api, ApiConfig
+    from .engine.load import model_name
     from .h11_server import HttpServer, ServerConfig
     from .worker import Worker
 

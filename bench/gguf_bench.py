@@ -28,8 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from appliance.engine.generate import GenerationRequest  # noqa: E402
-from appliance.engine.gguf_model import open_gguf  # noqa: E402
-from appliance.engine.model_dir import load_model  # noqa: E402
+from appliance.engine.load.gguf import open_gguf  # noqa: E402
+from appliance.engine.load import load_model  # noqa: E402
 from appliance.engine.sampling import SamplingParams  # noqa: E402
 from appliance.native import kernels  # noqa: E402
 from tests.support.gguf_files import fetch_smollm2, peer_module  # noqa: E402

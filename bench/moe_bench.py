@@ -22,7 +22,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gguf_bench import CACHE, Ours, attention_plan, copy_bandwidth, write_random_gguf  # noqa: E402
 
-from appliance.engine.gguf_model import open_gguf  # noqa: E402
+from appliance.engine.load.gguf import open_gguf  # noqa: E402
 from appliance.engine.page_release import mapping_rss  # noqa: E402
 from appliance.engine.qwen3_moe import set_release_pages  # noqa: E402
 from appliance.native import kernels  # noqa: E402

@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
     from transformers.image_utils import load_image
 
     from appliance.engine.image_processing import decode_image
-    from appliance.engine.model_dir import load_model
+    from appliance.engine.load import load_model
     from appliance.engine.qwen3_vl import expand_image_pads
     from tests.support.tiny_vl import image_bytes, reference_processor
 

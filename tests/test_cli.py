@@ -13,7 +13,7 @@ import time
 import pytest
 
 from appliance.engine.generate import GenerationRequest
-from appliance.engine.model_dir import load_model
+from appliance.engine.load import load_model
 from appliance.engine.sampling import SamplingParams
 from tests.support.live_server import RawClient, chat_body, request_bytes
 
@@ -185,7 +185,7 @@ def test_sigterm_ends_what_outlives_the_grace_period_cleanly(tiny_qwen3_tied):
 
 
 def test_threads_sizes_the_kernel_pool():
-    from appliance.cli import set_native_threads
+    from appliance.engine.load import set_native_threads
     from appliance.native import cpu_topology, kernels
 
     if not kernels.available():  # numpy path: nothing to size, and nothing breaks

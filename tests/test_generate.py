@@ -5,7 +5,7 @@ import pytest
 
 from appliance.engine.generate import FinishEvent, GenerationRequest, TokenEvent
 from appliance.engine.kv_cache import ContextLengthError
-from appliance.engine.model_dir import ModelLoadError, load_model
+from appliance.engine.load import ModelLoadError, load_model
 from appliance.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from appliance import convert
-from appliance.engine.model_dir import load_model
+from appliance.engine.load import load_model
 from tests.support.gguf_files import build_tiny, fetch_smollm2, peer_module
 
 TEXTS = ["What is the capital of France?", "12345 digits 3.14159 and  double  spaces\n\n\tTab  \n",

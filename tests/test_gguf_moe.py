@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from appliance import convert
-from appliance.engine.model_dir import load_model
+from appliance.engine.load import load_model
 from appliance.engine.qwen3_moe import SparseMoE
 from tests.support.gguf_files import peer_module
 

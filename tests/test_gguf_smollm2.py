@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from appliance.engine.generate import GenerationRequest
-from appliance.engine.gguf_model import open_gguf
+from appliance.engine.load.gguf import open_gguf
 from appliance.engine.sampling import SamplingParams
 from appliance.native import kernels
 from tests.support.gguf_files import fetch_smollm2
@@ -75,7 +75,7 @@ def reference_llama(path: str):
 
 @pytest.fixture(scope="module")
 def loaded(smollm2_path):
-    from appliance.engine.model_dir import load_model
+    from appliance.engine.load import load_model
 
     return load_model(smollm2_path)
 
@@ -111,7 +111,7 @@ def test_prompt_tokens_match_llama_cpp_convention(loaded, reference):
 @pytest.fixture(scope="module")
 def loaded_float(smollm2_path):
     """The same file loaded with the native library reported missing: every weight on its numpy twin."""
-    from appliance.engine.model_dir import load_model
+    from appliance.engine.load import load_model
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kernels, "available", lambda: False)

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from appliance.engine.generate import GenerationRequest
-from appliance.engine.model_dir import load_model
-from appliance.engine.qwen3_moe import SparseMoE, build_qwen3_moe
+from appliance.engine.load import load_model
+from appliance.engine.load.hf import build_qwen3_moe
+from appliance.engine.qwen3_moe import SparseMoE
 from appliance.engine.safetensors import SafeTensors
 from appliance.engine.sampling import SamplingParams
 

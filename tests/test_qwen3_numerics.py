@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from appliance.engine.config import Qwen3Config
-from appliance.engine.hf_checkpoint import build_qwen3
+from appliance.engine.load.hf import build_qwen3
 from appliance.engine.safetensors import SafeTensors
 
 PROMPT = [151644, 872, 198, 9707, 11, 1246, 525, 498, 30, 151645, 198, 151644, 77091, 198, 35946, 3555, 374]
@@ -77,7 +77,7 @@ def test_cached_decode_matches_full_forward(checkpoint):
 
 
 def test_greedy_tokens_match_generate(checkpoint):
-    from appliance.engine.model_dir import load_model
+    from appliance.engine.load import load_model
     from appliance.engine.generate import GenerationRequest
     from appliance.engine.sampling import SamplingParams
 

@@ -7,7 +7,7 @@ import torch
 
 from appliance.engine.generate import FinishEvent, GenerationRequest, TokenEvent
 from appliance.engine.image_processing import ImageError, decode_image
-from appliance.engine.model_dir import load_model
+from appliance.engine.load import load_model
 from appliance.engine.qwen3_vl import expand_image_pads
 from appliance.engine.sampling import SamplingParams
 from tests.support.tiny_vl import cached_qwen3_vl, image_bytes, reference_processor

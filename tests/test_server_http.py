@@ -189,7 +189,7 @@ def test_keep_alive_pipelining_http10_and_expect_continue(server):
 
 
 def test_health_is_503_while_loading(tiny_qwen3_tied):
-    from appliance.engine.model_dir import load_model
+    from appliance.engine.load import load_model
 
     gate = threading.Event()
 

@@ -12,7 +12,7 @@ import os
 import pytest
 
 from appliance.engine.generate import GenerationRequest
-from appliance.engine.model_dir import load_model
+from appliance.engine.load import load_model
 from appliance.engine.sampling import SamplingParams
 from tests.support.live_server import LiveServer, RawClient, chat_body, request_bytes
 

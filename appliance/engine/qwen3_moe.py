@@ -1,4 +1,4 @@
-"""Qwen3-MoE: the sparse mixture-of-experts MLP block and its checkpoint builder.
+"""Qwen3-MoE: the sparse mixture-of-experts MLP block (the loaders in load/ build it from checkpoints).
 
 Policy: a token's router softmax runs over all experts (float32), the top `num_experts_per_tok` are kept and,
 with `norm_topk_prob`, renormalised. Only the selected experts are computed: decode reads num_experts_per_tok
@@ -14,13 +14,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .config import Qwen3Config
-from .hf_checkpoint import build_decoder, dense_mlp, native_available
-from .quant_weights import half_weight
-from .qwen3 import SwiGLU
 from .page_release import release_pages
-from .safetensors import SafeTensors, to_float32
-from .weights import DenseWeight, HalfWeight
+from .qwen3 import SwiGLU
 
 
 @dataclass(frozen=True)
@@ -106,52 +101,7 @@ def release_expert(expert: SwiGLU) -> int:
 
 
 def set_release_pages(model, on: bool) -> None:
-    """Turn page release on or off for every sparse block of a model."""
-    for layer in model.layers:
+    """Turn page release on or off for every sparse block of a model (no-op for a model without any)."""
+    for layer in getattr(model, "layers", ()):
         if isinstance(layer.mlp, SparseMoE):
             layer.mlp.release_pages = on
-
-
-def mapped_weight(st: SafeTensors, name: str):
-    raw, dtype = st.raw(name)
-    return expert_weight(raw, dtype)
-
-
-def expert_weight(raw: np.ndarray, dtype: str):
-    """One expert matrix left in the mapping: the native kernels read BF16/F16 in place; without the library it
-    is widened per use (HalfWeight), never all experts at load."""
-    if dtype in ("BF16", "F16"):
-        return half_weight(raw, dtype) if native_available() else HalfWeight(raw, dtype)
-    return DenseWeight(to_float32(raw, dtype))
-
-
-def hf_experts(st: SafeTensors, prefix: str, n: int) -> list[SwiGLU]:
-    """Per-expert tensors (`experts.{j}.gate_proj.weight`, as published) or transformers-5 fused ones
-    (`experts.gate_up_proj` (E, 2I, H), `experts.down_proj` (E, H, I))."""
-    if prefix + "experts.gate_up_proj" in st:
-        gu, gu_dt = st.raw(prefix + "experts.gate_up_proj")
-        dn, dn_dt = st.raw(prefix + "experts.down_proj")
-        half = gu.shape[1] // 2
-
-        return [SwiGLU(expert_weight(np.ascontiguousarray(gu[j, :half]), gu_dt),
-                       expert_weight(np.ascontiguousarray(gu[j, half:]), gu_dt), expert_weight(dn[j], dn_dt))
-                for j in range(n)]
-    return [SwiGLU(*(mapped_weight(st, f"{prefix}experts.{j}.{k}_proj.weight") for k in ("gate", "up", "down")))
-            for j in range(n)]
-
-
-def build_qwen3_moe(st: SafeTensors, cfg_dict: dict):
-    cfg = Qwen3Config.from_dict(cfg_dict)
-    moe = MoEConfig.from_dict(cfg_dict)
-    stats = ExpertLoadStats()
-
-    def mlp_for_layer(i: int, p: str):
-        if not moe.is_sparse(i):
-            return dense_mlp(st, p)
-        router = st.float32(p + "gate.weight")  # (E, hidden)
-        return SparseMoE(i, router, hf_experts(st, p, moe.num_experts), moe, stats)
-
-    model = build_decoder(st, cfg, mlp_for_layer)
-    model.expert_stats = stats
-    model.moe_config = moe
-    return cfg, model

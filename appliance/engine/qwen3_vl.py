@@ -23,13 +23,9 @@ import numpy as np
 
 from . import qwen3
 from .config import Qwen3Config
-from .hf_checkpoint import build_decoder, dense_mlp, native_available
 from .image_processing import ImageError, ImageProcessor, PixelPatches
 from .kv_cache import KVCache
-from .safetensors import SafeTensors, to_float32
-from .quant_weights import half_weight
-from .vision import Linear, PatchMerger, VisionBlock, VisionConfig, VisionTower, vision_ops
-from .weights import DenseWeight
+from .vision import VisionTower
 
 @dataclass
 class ImageState:
@@ -187,68 +183,3 @@ def expand_image_pads(ids: list[int], image_token_id: int, counts: list[int]) ->
     if next(it, None) is not None:
         raise ImageError("the prompt has fewer image placeholders than images")
     return out
-
-
-def stored_weight(raw: np.ndarray, dtype: str):
-    """A vision matrix (out, in) as stored: BF16/F16/F32 read in place from the mapping by the C kernels when the
-    library is there, else a float32 DenseWeight."""
-    if native_available() and dtype in ("BF16", "F16", "F32") and raw.ndim == 2 and raw.flags.c_contiguous:
-        return half_weight(raw, dtype)
-    return DenseWeight(np.ascontiguousarray(to_float32(raw, dtype)))
-
-
-def vision_linear(st: SafeTensors, name: str) -> Linear:
-    return Linear(stored_weight(*st.raw(name + ".weight")), st.float32(name + ".bias"))
-
-
-def build_vision(st: SafeTensors, cfg: VisionConfig, prefix: str) -> VisionTower:
-    def norm(name):
-        return st.float32(name + ".weight"), st.float32(name + ".bias")
-
-    def merger(name, post):
-        return PatchMerger(norm(name + ".norm"), vision_linear(st, name + ".linear_fc1"),
-                           vision_linear(st, name + ".linear_fc2"), post)
-
-    w, dt = st.raw(prefix + "patch_embed.proj.weight")  # (hidden, C, tp, p, p)
-    patch = Linear(stored_weight(w.reshape(cfg.hidden_size, -1), dt),  # (hidden, C*tp*p*p): the kernel flattened
-                   st.float32(prefix + "patch_embed.proj.bias"))
-    blocks = [VisionBlock(norm(f"{prefix}blocks.{i}.norm1"), vision_linear(st, f"{prefix}blocks.{i}.attn.qkv"),
-                          vision_linear(st, f"{prefix}blocks.{i}.attn.proj"), norm(f"{prefix}blocks.{i}.norm2"),
-                          vision_linear(st, f"{prefix}blocks.{i}.mlp.linear_fc1"),
-                          vision_linear(st, f"{prefix}blocks.{i}.mlp.linear_fc2")) for i in range(cfg.depth)]
-    deep = [merger(f"{prefix}deepstack_merger_list.{j}", True) for j in range(len(cfg.deepstack_visual_indexes))]
-    return VisionTower(cfg, patch, st.float32(prefix + "pos_embed.weight"), blocks, merger(prefix + "merger", False),
-                       deep, vision_ops(native_available()))
-
-
-def _prefix(st: SafeTensors, *candidates: str) -> str:
-    for p in candidates:
-        if any(k.startswith(p) for k in st.keys()):
-            return p
-    raise KeyError(f"no tensors under {' or '.join(candidates)}")
-
-
-def build_qwen3_vl(st: SafeTensors, cfg_dict: dict) -> tuple[Qwen3Config, Qwen3VLModel]:
-    """A Hugging Face Qwen3VLForConditionalGeneration directory's tensors and config.json (the image
-    processor's settings come from preprocessor_config.json beside them)."""
-    model_dir = getattr(st, "model_dir", None)
-    text_d = dict(cfg_dict["text_config"])
-    if "tie_word_embeddings" in cfg_dict:
-        text_d["tie_word_embeddings"] = cfg_dict["tie_word_embeddings"]
-    rope = text_d.get("rope_parameters") or text_d.get("rope_scaling") or {}
-    section = tuple(int(x) for x in rope.get("mrope_section", (24, 20, 20)))
-    cfg = Qwen3Config.from_dict({**text_d, "model_type": "qwen3"})
-    if sum(section) != cfg.head_dim // 2:
-        raise ValueError(f"mrope_section {section} does not cover head_dim {cfg.head_dim}")
-    text_prefix = _prefix(st, "model.language_model.", "language_model.model.", "model.")
-    text = build_decoder(st, cfg, lambda i, p: dense_mlp(st, p), prefix=text_prefix)
-    vcfg = VisionConfig.from_dict(cfg_dict["vision_config"])
-    vision = build_vision(st, vcfg, _prefix(st, "model.visual.", "visual."))
-    if vcfg.out_hidden_size != cfg.hidden_size:
-        raise ValueError("vision out_hidden_size differs from the decoder's hidden_size")
-    processor = ImageProcessor.from_dir(model_dir) if model_dir else ImageProcessor()
-    if processor.patch_size != vcfg.patch_size or processor.merge_size != vcfg.spatial_merge_size \
-            or processor.temporal_patch_size != vcfg.temporal_patch_size:
-        raise ValueError("preprocessor_config.json does not match the vision tower's patch sizes")
-    model = Qwen3VLModel(cfg, text, vision, processor, section, int(cfg_dict.get("image_token_id", 151655)))
-    return cfg, model

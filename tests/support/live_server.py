@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 import trio
 
 from appliance.api import Api, ApiConfig
-from appliance.cli import model_name
-from appliance.engine.model_dir import load_model
+from appliance.engine.load import load_model, model_name
 from appliance.h11_server import HttpServer, ServerConfig
 from appliance.worker import Worker
 

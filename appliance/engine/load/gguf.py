@@ -1,4 +1,4 @@
-"""Load a GGUF file (llama.cpp's container) into a ready Engine: qwen3, qwen2 and llama architectures.
+"""GGUF files (llama.cpp's container) -> decoder objects: qwen3, qwen2, llama and qwen3moe architectures.
 
 Policies:
 - The file is memory-mapped by the `gguf` package's GGUFReader and the weights stay in their stored form:
@@ -12,18 +12,25 @@ Policies:
   in Hugging Face order already.
 - What we cannot compute exactly is refused with a one-line ModelLoadError: other architectures, RoPE
   scaling, partial rotary dimensions, non-BPE tokenizers, tensor types the kernels do not know.
+- Mixture of experts (`qwen3moe`): `blk.N.ffn_{gate,up,down}_exps.weight` hold all experts of a layer in one
+  tensor (ne = [in, out, E]); each expert is a zero-copy slice of the mapped block data wrapped in QuantWeight
+  (never rearranged into a copy), so decode reads only the routed experts' bytes and resident memory follows
+  the experts in use. A layer is sparse when it has a router (`ffn_gate_inp`), dense otherwise. llama.cpp
+  always renormalises the top-k weights for qwen3moe, so the file's MoE config says norm_topk_prob=True unless
+  the file states `expert_weights_norm`.
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 
-from . import qwen3
-from .config import Qwen3Config
-from .generate import Engine
-from .weights import DenseWeight
+from .. import qwen3
+from ..config import Qwen3Config
+from ..qwen3_moe import ExpertLoadStats, MoEConfig, SparseMoE
+from ..quant_weights import QuantWeight
+from ..weights import DenseWeight
+from . import Checkpoint, LoadOptions, ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("qwen3", "qwen2", "llama", "qwen3moe")
 # GGUF general.sampling.* -> generation_config.json names (what LoadedModel.default_sampling holds)
@@ -88,8 +95,6 @@ class GGUFModelFile:
 
     def matrix(self, name: str, row_order: np.ndarray | None = None):
         """A linear/embedding weight of numpy shape (out, in); row_order reorders rows (at load, quantized)."""
-        from .quant_weights import QuantWeight
-
         t = self.tensors[name]
         shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists ne0 (the row length) first
         if len(shape) != 2:
@@ -140,9 +145,6 @@ def config_from_metadata(meta: dict[str, Any], f: GGUFModelFile) -> Qwen3Config:
 
 def build_model(cfg: Qwen3Config, f: GGUFModelFile, meta: dict[str, Any] | None = None) -> qwen3.Qwen3Model:
     """The decoder over GGUF tensor names (blk.N.attn_q.weight, ...)."""
-    from .gguf_moe import moe_config_from_metadata, moe_mlp
-    from .qwen3_moe import ExpertLoadStats
-
     moe = moe_config_from_metadata(meta, cfg.model_type) if cfg.model_type == "qwen3moe" else None
     stats = ExpertLoadStats()
     permuted = cfg.model_type == "llama"
@@ -177,6 +179,42 @@ def build_model(cfg: Qwen3Config, f: GGUFModelFile, meta: dict[str, Any] | None 
     return model
 
 
+# ---- mixture of experts ---------------------------------------------------------------------------------
+
+def moe_config_from_metadata(meta: dict, arch: str) -> MoEConfig:
+    def key(name):
+        v = meta.get(f"{arch}.{name}")
+        if v is None:
+            raise ValueError(f"metadata key {arch}.{name} is missing")
+        return int(v)
+
+    return MoEConfig(num_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"),
+                     moe_intermediate_size=key("expert_feed_forward_length"),
+                     norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)))
+
+
+def expert_slices(tensor) -> list:
+    """One (out, in) weight per expert of a stacked GGUF tensor, sharing the mapped bytes."""
+    n_in, n_out, n_exp = (int(n) for n in tensor.shape)  # GGUF order: ne0 (row length) first
+    data = tensor.data  # (E, out, in) float32 or (E, out, row_bytes) uint8
+    if tensor.tensor_type.name == "F32":
+        return [DenseWeight(np.asarray(data[e], dtype=np.float32).reshape(n_out, n_in)) for e in range(n_exp)]
+    raw = data.view(np.uint8).reshape(n_exp, n_out, -1)
+    return [QuantWeight(tensor.tensor_type, (n_out, n_in), raw[e], repack=False) for e in range(n_exp)]
+
+
+def moe_mlp(f, layer: int, stats: ExpertLoadStats, moe: MoEConfig):
+    """The MLP of layer `layer`: SparseMoE if the layer has a router, None to let the caller build a dense one."""
+    p = f"blk.{layer}."
+    if p + "ffn_gate_inp.weight" not in f:
+        return None
+    router = f.matrix(p + "ffn_gate_inp.weight")
+    router = router.w if isinstance(router, DenseWeight) else router.dequantize()  # (E, hidden) float32
+    gates, ups, downs = (expert_slices(f.tensors[p + f"ffn_{k}_exps.weight"]) for k in ("gate", "up", "down"))
+    experts = [qwen3.SwiGLU(g, u, d) for g, u, d in zip(gates, ups, downs)]
+    return SparseMoE(layer, router, experts, moe, stats)
+
+
 def default_sampling(meta: dict[str, Any]) -> dict:
     out = {}
     for k, name in SAMPLING_KEYS.items():
@@ -185,13 +223,11 @@ def default_sampling(meta: dict[str, Any]) -> dict:
     return out
 
 
-def load_gguf(path: str, context_length: int | None = None, prefill_chunk: int = 256):
-    """A .gguf file -> LoadedModel (see model_dir.load_model, which dispatches here)."""
-    from .chat_template import ChatTemplate, ChatTemplateError
-    from .gguf_tokenizer import build_tokenizer, chat_templates, eog_ids
-    from .model_dir import DEFAULT_CONTEXT, LoadedModel, ModelLoadError
+def read_gguf(path: str, options: LoadOptions) -> Checkpoint:
+    """A .gguf file's model, tokenizer, template, stop ids and sampling defaults (see load.load_model)."""
+    from ..chat_template import ChatTemplate, ChatTemplateError
+    from ..gguf_tokenizer import build_tokenizer, chat_templates, eog_ids
 
-    path = os.path.abspath(path)
     try:
         reader = open_gguf(path)
     except (ValueError, OSError, IndexError, KeyError) as e:  # not a GGUF, truncated, unknown type...
@@ -209,8 +245,4 @@ def load_gguf(path: str, context_length: int | None = None, prefill_chunk: int =
         eos = eog_ids(meta)
     except (KeyError, ValueError, ChatTemplateError) as e:
         raise ModelLoadError(f"cannot load {path}: {e}") from None
-    ctx = min(context_length or DEFAULT_CONTEXT, cfg.max_position_embeddings)
-    engine = Engine(model, tokenizer, eos, ctx, prefill_chunk)
-    return LoadedModel(name=os.path.splitext(os.path.basename(path))[0], path=path, config=cfg, model=model,
-                       tokenizer=tokenizer, chat_template=template, engine=engine,
-                       default_sampling=default_sampling(meta), context_length=ctx, eos_ids=eos)
+    return Checkpoint(cfg, model, tokenizer, template, eos, default_sampling(meta))

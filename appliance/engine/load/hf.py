@@ -1,0 +1,232 @@
+"""Hugging Face checkpoint directories -> decoder objects: dense Qwen3 / Qwen2 / Llama, Qwen3-MoE, Qwen3-VL
+(text decoder and vision tower).
+
+Policy: checkpoint naming quirks live here, not in the model files. Architectures register a builder in
+ARCHITECTURES keyed by config.json's `model_type`; a builder gets the tensors, config.json and the LoadOptions
+and returns (config, model). Linear weights: BF16/F16 matrices are read in place from the mapping by the
+native kernels when the library is there (no float32 copy); otherwise, and for F32, float32 DenseWeight.
+Mixture-of-experts experts stay in the mapping either way (widened per use without the library).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable
+
+import numpy as np
+
+from .. import qwen3
+from ..config import Qwen3Config, UnsupportedModelError
+from ..image_processing import ImageProcessor
+from ..qwen3_moe import ExpertLoadStats, MoEConfig, SparseMoE
+from ..qwen3_vl import Qwen3VLModel
+from ..quant_weights import half_weight
+from ..safetensors import SafeTensors, SafetensorsError, to_float32
+from ..vision import Linear, PatchMerger, VisionBlock, VisionConfig, VisionTower, vision_ops
+from ..weights import DenseWeight, HalfWeight
+from . import Checkpoint, LoadOptions, ModelLoadError
+
+
+def read_hf_dir(path: str, options: LoadOptions) -> Checkpoint:
+    from ..chat_template import ChatTemplate
+    from ..tokenizer import Tokenizer
+
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        raise ModelLoadError(f"no config.json in {path}")
+    cfg_dict = read_json(cfg_path)
+    model_type = cfg_dict.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ModelLoadError(f"unsupported model type {model_type!r} (supported: {', '.join(sorted(ARCHITECTURES))})")
+    try:
+        st = SafeTensors(path)
+        cfg, model = ARCHITECTURES[model_type](st, cfg_dict, options)
+        tokenizer = Tokenizer.from_dir(path)
+        template = ChatTemplate.from_dir(path)
+    except (SafetensorsError, UnsupportedModelError, KeyError, ValueError, OSError) as e:
+        raise ModelLoadError(f"cannot load {path}: {e}") from None
+    gen_cfg = read_json(os.path.join(path, "generation_config.json"))
+    return Checkpoint(cfg, model, tokenizer, template, eos_ids_of(gen_cfg, cfg_dict, tokenizer), gen_cfg)
+
+
+def read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from None
+
+
+def eos_ids_of(gen_cfg: dict, cfg: dict, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for src in (gen_cfg.get("eos_token_id"), cfg.get("eos_token_id")):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, list):
+            ids.update(int(x) for x in src)
+    if tokenizer.eos_token is not None and tokenizer.id_of(tokenizer.eos_token) is not None:
+        ids.add(tokenizer.id_of(tokenizer.eos_token))
+    return ids
+
+
+# ---- weights --------------------------------------------------------------------------------------------
+
+def native_available() -> bool:
+    from appliance.native import kernels
+    return kernels.available()
+
+
+def dense_weight(st: SafeTensors, name: str):
+    """A linear weight: BF16/F16 matrices read in place by the native kernels when the library is there (no
+    float32 copy); otherwise, and for F32, a float32 DenseWeight."""
+    raw, dtype = st.raw(name)
+    if dtype in ("BF16", "F16") and raw.ndim == 2 and native_available():
+        return half_weight(raw, dtype)
+    return DenseWeight(to_float32(raw, dtype))
+
+
+def expert_weight(raw: np.ndarray, dtype: str):
+    """One expert matrix left in the mapping: the native kernels read BF16/F16 in place; without the library it
+    is widened per use (HalfWeight), never all experts at load."""
+    if dtype in ("BF16", "F16"):
+        return half_weight(raw, dtype) if native_available() else HalfWeight(raw, dtype)
+    return DenseWeight(to_float32(raw, dtype))
+
+
+# ---- text decoder (dense, MoE) --------------------------------------------------------------------------
+
+def dense_mlp(st: SafeTensors, prefix: str) -> qwen3.SwiGLU:
+    """prefix: e.g. 'model.layers.3.mlp.'"""
+    return qwen3.SwiGLU(dense_weight(st, prefix + "gate_proj.weight"), dense_weight(st, prefix + "up_proj.weight"),
+                        dense_weight(st, prefix + "down_proj.weight"))
+
+
+def build_decoder(st: SafeTensors, cfg: Qwen3Config, mlp_for_layer: Callable[[int, str], Callable],
+                  prefix: str = "model.") -> qwen3.Qwen3Model:
+    def opt(name):
+        return st.float32(name) if name in st else None
+
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        p = f"{prefix}layers.{i}."
+        a = p + "self_attn."
+        attn = qwen3.Attention(
+            q=dense_weight(st, a + "q_proj.weight"), k=dense_weight(st, a + "k_proj.weight"),
+            v=dense_weight(st, a + "v_proj.weight"), o=dense_weight(st, a + "o_proj.weight"),
+            q_norm=opt(a + "q_norm.weight"), k_norm=opt(a + "k_norm.weight"),
+            q_bias=opt(a + "q_proj.bias"), k_bias=opt(a + "k_proj.bias"), v_bias=opt(a + "v_proj.bias"))
+        layers.append(qwen3.Layer(st.float32(p + "input_layernorm.weight"), attn,
+                                  st.float32(p + "post_attention_layernorm.weight"), mlp_for_layer(i, p + "mlp.")))
+    embed = dense_weight(st, prefix + "embed_tokens.weight")
+    lm_head = embed if cfg.tie_word_embeddings or "lm_head.weight" not in st else dense_weight(st, "lm_head.weight")
+    return qwen3.Qwen3Model(cfg, embed, layers, st.float32(prefix + "norm.weight"), lm_head)
+
+
+def build_qwen3(st: SafeTensors, cfg_dict: dict, options: LoadOptions = LoadOptions()):
+    cfg = Qwen3Config.from_dict(cfg_dict)
+    return cfg, build_decoder(st, cfg, lambda i, p: dense_mlp(st, p))
+
+
+def hf_experts(st: SafeTensors, prefix: str, n: int) -> list[qwen3.SwiGLU]:
+    """Per-expert tensors (`experts.{j}.gate_proj.weight`, as published) or transformers-5 fused ones
+    (`experts.gate_up_proj` (E, 2I, H), `experts.down_proj` (E, H, I))."""
+    if prefix + "experts.gate_up_proj" in st:
+        gu, gu_dt = st.raw(prefix + "experts.gate_up_proj")
+        dn, dn_dt = st.raw(prefix + "experts.down_proj")
+        half = gu.shape[1] // 2
+        return [qwen3.SwiGLU(expert_weight(np.ascontiguousarray(gu[j, :half]), gu_dt),
+                             expert_weight(np.ascontiguousarray(gu[j, half:]), gu_dt), expert_weight(dn[j], dn_dt))
+                for j in range(n)]
+    return [qwen3.SwiGLU(*(expert_weight(*st.raw(f"{prefix}experts.{j}.{k}_proj.weight"))
+                           for k in ("gate", "up", "down")))
+            for j in range(n)]
+
+
+def build_qwen3_moe(st: SafeTensors, cfg_dict: dict, options: LoadOptions = LoadOptions()):
+    cfg = Qwen3Config.from_dict(cfg_dict)
+    moe = MoEConfig.from_dict(cfg_dict)
+    stats = ExpertLoadStats()
+
+    def mlp_for_layer(i: int, p: str):
+        if not moe.is_sparse(i):
+            return dense_mlp(st, p)
+        router = st.float32(p + "gate.weight")  # (E, hidden)
+        return SparseMoE(i, router, hf_experts(st, p, moe.num_experts), moe, stats)
+
+    model = build_decoder(st, cfg, mlp_for_layer)
+    model.expert_stats = stats
+    model.moe_config = moe
+    return cfg, model
+
+
+# ---- Qwen3-VL (text decoder + vision tower) ---------------------------------------------------------------
+
+def stored_weight(raw: np.ndarray, dtype: str):
+    """A vision matrix (out, in) as stored: BF16/F16/F32 read in place from the mapping by the C kernels when the
+    library is there, else a float32 DenseWeight."""
+    if native_available() and dtype in ("BF16", "F16", "F32") and raw.ndim == 2 and raw.flags.c_contiguous:
+        return half_weight(raw, dtype)
+    return DenseWeight(np.ascontiguousarray(to_float32(raw, dtype)))
+
+
+def vision_linear(st: SafeTensors, name: str) -> Linear:
+    return Linear(stored_weight(*st.raw(name + ".weight")), st.float32(name + ".bias"))
+
+
+def build_vision(st: SafeTensors, cfg: VisionConfig, prefix: str) -> VisionTower:
+    def norm(name):
+        return st.float32(name + ".weight"), st.float32(name + ".bias")
+
+    def merger(name, post):
+        return PatchMerger(norm(name + ".norm"), vision_linear(st, name + ".linear_fc1"),
+                           vision_linear(st, name + ".linear_fc2"), post)
+
+    w, dt = st.raw(prefix + "patch_embed.proj.weight")  # (hidden, C, tp, p, p)
+    patch = Linear(stored_weight(w.reshape(cfg.hidden_size, -1), dt),  # (hidden, C*tp*p*p): the kernel flattened
+                   st.float32(prefix + "patch_embed.proj.bias"))
+    blocks = [VisionBlock(norm(f"{prefix}blocks.{i}.norm1"), vision_linear(st, f"{prefix}blocks.{i}.attn.qkv"),
+                          vision_linear(st, f"{prefix}blocks.{i}.attn.proj"), norm(f"{prefix}blocks.{i}.norm2"),
+                          vision_linear(st, f"{prefix}blocks.{i}.mlp.linear_fc1"),
+                          vision_linear(st, f"{prefix}blocks.{i}.mlp.linear_fc2")) for i in range(cfg.depth)]
+    deep = [merger(f"{prefix}deepstack_merger_list.{j}", True) for j in range(len(cfg.deepstack_visual_indexes))]
+    return VisionTower(cfg, patch, st.float32(prefix + "pos_embed.weight"), blocks, merger(prefix + "merger", False),
+                       deep, vision_ops(native_available()))
+
+
+def _prefix(st: SafeTensors, *candidates: str) -> str:
+    for p in candidates:
+        if any(k.startswith(p) for k in st.keys()):
+            return p
+    raise KeyError(f"no tensors under {' or '.join(candidates)}")
+
+
+def build_qwen3_vl(st: SafeTensors, cfg_dict: dict, options: LoadOptions = LoadOptions()):
+    """A Hugging Face Qwen3VLForConditionalGeneration directory's tensors and config.json (the image
+    processor's settings come from preprocessor_config.json beside them, capped by options.image_max_pixels)."""
+    text_d = dict(cfg_dict["text_config"])
+    if "tie_word_embeddings" in cfg_dict:
+        text_d["tie_word_embeddings"] = cfg_dict["tie_word_embeddings"]
+    rope = text_d.get("rope_parameters") or text_d.get("rope_scaling") or {}
+    section = tuple(int(x) for x in rope.get("mrope_section", (24, 20, 20)))
+    cfg = Qwen3Config.from_dict({**text_d, "model_type": "qwen3"})
+    if sum(section) != cfg.head_dim // 2:
+        raise ValueError(f"mrope_section {section} does not cover head_dim {cfg.head_dim}")
+    text_prefix = _prefix(st, "model.language_model.", "language_model.model.", "model.")
+    text = build_decoder(st, cfg, lambda i, p: dense_mlp(st, p), prefix=text_prefix)
+    vcfg = VisionConfig.from_dict(cfg_dict["vision_config"])
+    vision = build_vision(st, vcfg, _prefix(st, "model.visual.", "visual."))
+    if vcfg.out_hidden_size != cfg.hidden_size:
+        raise ValueError("vision out_hidden_size differs from the decoder's hidden_size")
+    processor = ImageProcessor.from_dir(st.model_dir, options.image_max_pixels)
+    if processor.patch_size != vcfg.patch_size or processor.merge_size != vcfg.spatial_merge_size \
+            or processor.temporal_patch_size != vcfg.temporal_patch_size:
+        raise ValueError("preprocessor_config.json does not match the vision tower's patch sizes")
+    model = Qwen3VLModel(cfg, text, vision, processor, section, int(cfg_dict.get("image_token_id", 151655)))
+    return cfg, model
+
+
+# model_type -> builder(SafeTensors, config dict, LoadOptions) -> (config, model)
+ARCHITECTURES: dict[str, Callable] = {"qwen3": build_qwen3, "qwen2": build_qwen3, "llama": build_qwen3,
+                                      "qwen3_moe": build_qwen3_moe, "qwen3_vl": build_qwen3_vl}
