@@ -190,6 +190,8 @@ class Api:
                                        for (e, c), n in sorted(self.requests.items())},
             "kestrel_generations_total": {(("reason", r),): n for r, n in sorted(s.finish_reasons.items())},
             "kestrel_prompt_tokens_total": s.prompt_tokens,
+            "kestrel_prompt_tokens_cached_total": s.cached_tokens,
+            "kestrel_prompt_tokens_prefilled_total": s.prompt_tokens - s.cached_tokens,
             "kestrel_generated_tokens_total": s.completion_tokens,
             "kestrel_prefill_seconds_total": s.prefill_seconds,
             "kestrel_decode_seconds_total": s.decode_seconds,

@@ -18,7 +18,6 @@ Policies:
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Any
@@ -29,7 +28,6 @@ from .engine.generate import FinishEvent, GenerationRequest, TokenEvent
 from .engine.kv_cache import ContextLengthError
 from .protocol.errors import ApiError, internal_error
 from .protocol.logprobs import entry_from_engine
-from .protocol.sse import sse_event
 from .protocol.stats import GenerationStats
 from .protocol.errors import server_shutdown
 from .worker import EngineFailure, ShuttingDown, Ticket
@@ -40,26 +38,6 @@ log = logging.getLogger("appliance.generation")
 def split_events(blob: bytes) -> list[bytes]:
     """Consecutive `data: ...\\n\\n` events -> one bytes per event (compact JSON never holds a raw newline)."""
     return [part + b"\n\n" for part in blob.split(b"\n\n")[:-1]]
-
-
-def _image_usage(body: dict, ev: FinishEvent) -> dict:
-    """With images: usage.prompt_tokens_details splits prompt_tokens into text and image tokens (OpenAI's names)."""
-    n = getattr(ev.timings, "image_tokens", 0)
-    if n and isinstance(body.get("usage"), dict) and "prompt_tokens" in body["usage"]:
-        u = body["usage"]
-        u["prompt_tokens_details"] = {"text_tokens": u["prompt_tokens"] - n, "image_tokens": n}
-    return body
-
-
-
-def _with_image_usage(event: bytes, ev: FinishEvent) -> bytes:
-    """The stream's usage event gets the same prompt_tokens_details as the non-stream body."""
-    if not getattr(ev.timings, "image_tokens", 0) or not event.startswith(b"data: {"):
-        return event
-    obj = json.loads(event[6:])
-    if obj.get("choices") == [] and obj.get("usage"):
-        return sse_event(_image_usage(obj, ev))
-    return event
 
 
 class Generation:
@@ -106,15 +84,15 @@ class Generation:
         if finish is None:
             return await self._fail(ex, failure)
         stats = GenerationStats.from_finish(finish, queue_ms)
-        log.info("%s %s: %s, prompt %d + completion %d tokens, queued %.0f ms, ttft %.0f ms, %.1f tok/s",
-                 ex.path, "stream" if stream else "json", finish.reason, stats.prompt_tokens,
+        log.info("%s %s: %s, prompt %d (%d reused) + completion %d tokens, queued %.0f ms, ttft %.0f ms, %.1f tok/s",
+                 ex.path, "stream" if stream else "json", finish.reason, stats.prompt_tokens, stats.cached_tokens,
                  stats.completion_tokens, stats.queue_ms, stats.ttft_ms, stats.tok_s)
         if not stream:
             body = self.out.response(finish.reason, finish.text, stats, completion_ids=finish.token_ids)
-            return await self.api.send_json(ex, _image_usage(body, finish))
+            return await self.api.send_json(ex, body)
         tail = self.out.finish(finish.reason, finish.text, stats, self.prompt_ids, finish.token_ids)
         for event in tail if isinstance(tail, list) else split_events(tail):
-            await ex.send(_with_image_usage(event, finish))
+            await ex.send(event)
         await ex.end_stream()
 
     async def _generate(self, ex: Any, ticket: Ticket) -> tuple[FinishEvent | None, BaseException | None]:

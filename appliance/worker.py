@@ -89,6 +89,7 @@ class WorkerStats:
     requests_failed: int = 0
     requests_abandoned: int = 0         # left the queue before their turn (client gone, shutdown)
     prompt_tokens: int = 0
+    cached_tokens: int = 0              # prompt tokens reused from the KV cache (part of prompt_tokens)
     completion_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -243,6 +244,7 @@ class Worker:
                     s.prompt_tokens += ev.prompt_tokens
                     s.completion_tokens += ev.completion_tokens
                     tm = ev.timings
+                    s.cached_tokens += getattr(tm, "cache_n", 0)
                     t.prefill_chunks = getattr(tm, "prefill_chunks", None)
                     s.prefill_seconds += tm.prefill_ms / 1000.0
                     s.decode_seconds += sum(tm.decode_ms) / 1000.0

@@ -17,7 +17,7 @@ from appliance.protocol.stats import GenerationStats
 HEAD = b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1700000000,"model":"qwen3",'
 STATS = GenerationStats(prompt_tokens=12, completion_tokens=5, prefill_ms=40.0, ttft_ms=52.5, decode_ms=40.0,
                         total_ms=100.0, tpot_ms=10.0, tok_s=100.0)
-TIMINGS = (b'"timings":{"prompt_n":12,"prompt_ms":40.0,"prompt_per_token_ms":3.333,"prompt_per_second":300.0,'
+TIMINGS = (b'"timings":{"cache_n":0,"prompt_n":12,"prompt_ms":40.0,"prompt_per_token_ms":3.333,"prompt_per_second":300.0,'
            b'"predicted_n":5,"predicted_ms":60.0,"predicted_per_token_ms":12.0,"predicted_per_second":83.333,'
            b'"ttft_ms":52.5,"tpot_ms":10.0}')
 
@@ -57,7 +57,7 @@ def test_extension_events_bytes(cc):
     assert sse_event(cc.metrics(STATS)) == (
         b'data: {"object":"chat.completion.metrics","metrics":{"prompt_tokens":12,"completion_tokens":5,'
         b'"ttft_ms":52.5,"prefill_ms":40.0,"tpot_ms":10.0,"decode_ms":40.0,"total_ms":100.0,"tok_s":100.0,'
-        b'"prefill_tok_s":300.0,"queue_ms":0.0}}\n\n')
+        b'"prefill_tok_s":300.0,"queue_ms":0.0,"cached_tokens":0}}\n\n')
     assert sse_event(cc.tokens([1, 2, 151645])) == \
         b'data: {"object":"chat.completion.tokens","tokens":[1,2,151645]}\n\n'
 

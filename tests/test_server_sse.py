@@ -102,9 +102,12 @@ def test_stream_bytes_match_engine(server, reference):
         after = after[1:]
     finish, usage, metrics, tokens = after
     assert finish["choices"] == [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}]
-    assert finish["timings"]["predicted_n"] == 12 and finish["timings"]["prompt_n"] == len(ids)
+    cached = finish["timings"]["cache_n"]  # llama.cpp's split: prompt_n tokens prefilled, cache_n reused
+    assert finish["timings"]["predicted_n"] == 12 and finish["timings"]["prompt_n"] + cached == len(ids)
     assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 12,
-                                                         "total_tokens": len(ids) + 12}
+                                                         "total_tokens": len(ids) + 12,
+                                                         "prompt_tokens_details": {"cached_tokens": cached}}
+    assert metrics["metrics"]["cached_tokens"] == cached
     assert metrics["object"] == "chat.completion.metrics"
     assert metrics["metrics"]["prompt_tokens"] == len(ids) and metrics["metrics"]["completion_tokens"] == 12
     for key in ("ttft_ms", "prefill_ms", "tpot_ms", "total_ms", "tok_s"):

@@ -1,9 +1,16 @@
 """Engine: drives one generation at a time, token by token, over a model and its KV cache.
 
-Policy: the engine thread owns the model and one KV cache slot. A prompt is prefilled in chunks
-(`prefill_chunk` tokens) so a cancellation is seen between chunks; decode runs one token a step and polls
-`should_cancel` before each. Text leaves through an IncrementalDetokenizer (never a broken UTF-8 character)
-and a StopMatcher (never part of a stop string). Exactly one TokenEvent per decoded token.
+Policies:
+- The engine thread owns the model and one KV cache slot. A prompt is prefilled in chunks (`prefill_chunk`
+  tokens) so a cancellation is seen between chunks; decode runs one token a step and polls `should_cancel`
+  before each. Text leaves through an IncrementalDetokenizer (never a broken UTF-8 character) and a
+  StopMatcher (never part of a stop string). Exactly one TokenEvent per decoded token.
+- Prefix reuse: the cache keeps the sequence of the last request (prompt, decoded tokens, or the whole chunks
+  a cancelled prefill committed) and `cache_tokens` says which ids it holds. A new request keeps the longest
+  prefix it shares with that sequence or with a copy in `store` (PrefixStore: earlier sequences under the
+  --cache-ram budget, only their used positions), and prefills the rest; the last prompt token always runs.
+  The active sequence is copied into the store before a request would overwrite part of it. An engine error
+  drops the active sequence.
 """
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ from typing import Callable, Iterator, Protocol
 import numpy as np
 
 from .kv_cache import ContextLengthError, KVCache
+from .prefix_cache import CachedSequence, ImageKey, PrefixStore, common_prefix
 from .sampling import Sampler, SamplingParams, TokenLogprob
 from .text_stream import IncrementalDetokenizer, StopMatcher
 
@@ -21,7 +29,7 @@ from .text_stream import IncrementalDetokenizer, StopMatcher
 class CausalLM(Protocol):
     config: object  # has vocab_size
 
-    def new_cache(self, max_len: int) -> KVCache: ...
+    def new_cache(self, max_len: int, dtype=np.float32) -> KVCache: ...
 
     def forward(self, tokens: np.ndarray, cache: KVCache, logits: str = "last") -> np.ndarray | None: ...
 
@@ -45,6 +53,7 @@ class Timings:
     prefill_chunks: int = 0
     image_encode_ms: float = 0.0  # vision tower time (not part of prefill_ms; part of ttft_ms)
     image_tokens: int = 0
+    cache_n: int = 0  # prompt tokens whose keys/values were reused (not prefilled)
 
     @property
     def tpot_ms(self) -> float:
@@ -81,13 +90,17 @@ class Engine:
     """Generation over one model (anything with `new_cache` and `forward(tokens, cache, logits)`)."""
 
     def __init__(self, model: CausalLM, tokenizer, eos_ids: set[int], context_length: int,
-                 prefill_chunk: int = 256):
+                 prefill_chunk: int = 256, kv_dtype=np.float32, cache_bytes: int = 0, reuse_prefix: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
         self.context_length = context_length
         self.prefill_chunk = prefill_chunk
-        self.cache = model.new_cache(context_length)
+        self.cache = model.new_cache(context_length, kv_dtype)
+        self.cache_tokens: list[int] = []  # ids of the cache's committed positions
+        self.cache_images: tuple[ImageKey, ...] = ()  # image runs of that sequence
+        self.reuse_prefix = reuse_prefix
+        self.store = PrefixStore(cache_bytes)  # copies of earlier sequences (the active one counts too)
         # engine-side counters, for tests and /metrics
         self.prefill_chunks_run = 0
         self.decode_steps_run = 0
@@ -97,7 +110,52 @@ class Engine:
         kernels' row rearrangement, page faults) happens at load, not in the first request's latency."""
         token = min(self.eos_ids) if self.eos_ids else 0
         self.model.forward(np.asarray([token], dtype=np.int64), self.cache, "last")
+        self.drop_sequence()
+
+    def drop_sequence(self) -> None:
+        """Forget the active sequence (after an error, or when its keys/values are not trusted)."""
         self.cache.reset()
+        self.cache_tokens, self.cache_images = [], ()
+
+    def _stash_active(self, reserve: int) -> None:
+        """Copy the active sequence's used positions into the store (unless the store already holds it)."""
+        n = len(self.cache_tokens)
+        if n == 0 or n * self.cache.bytes_per_token + reserve > self.store.budget \
+                or self.store.covers(self.cache_tokens, self.cache_images):
+            return
+        k, v = self.cache.copy_prefix(n)
+        self.store.add(CachedSequence(list(self.cache_tokens), self.cache_images, k, v), reserve)
+
+    def begin_sequence(self, ids: list[int], images: tuple[ImageKey, ...]) -> int:
+        """Make the cache hold the longest reusable prefix of `ids` (never all of it); return its length."""
+        if not self.reuse_prefix:
+            self.drop_sequence()
+            self.cache_images = images
+            return 0
+        limit = len(ids) - 1
+        n_active = min(common_prefix(self.cache_tokens, self.cache_images, ids, images), limit)
+        entry, n_saved = self.store.best(ids, images)
+        n_saved = min(n_saved, limit)
+        if n_active < len(self.cache_tokens):  # positions this request would overwrite: keep a copy
+            self._stash_active(reserve=len(ids) * self.cache.bytes_per_token)
+        if entry is not None and n_saved > n_active:
+            self.cache.load_prefix(entry.k, entry.v, n_saved)
+            if n_saved == len(entry.tokens):  # wholly active now; copied back when it is left
+                self.store.discard(entry)
+            else:
+                self.store.touch(entry)
+            n = n_saved
+        else:
+            self.cache.truncate(n_active)
+            n = n_active
+        self.cache_tokens, self.cache_images = list(ids[:n]), images
+        return n
+
+    def _forward(self, tokens: list[int], logits: str) -> np.ndarray | None:
+        """Append tokens to the active sequence (its ids follow the cache)."""
+        out = self.model.forward(np.asarray(tokens, dtype=np.int64), self.cache, logits)
+        self.cache_tokens.extend(tokens)
+        return out
 
     def check_fits(self, prompt_len: int) -> None:
         if prompt_len == 0:
@@ -113,9 +171,9 @@ class Engine:
         for start in range(0, len(ids), self.prefill_chunk):
             if should_cancel():
                 return None
-            chunk = np.asarray(ids[start:start + self.prefill_chunk], dtype=np.int64)
+            chunk = list(ids[start:start + self.prefill_chunk])
             last = start + len(chunk) >= len(ids)
-            logits = self.model.forward(chunk, self.cache, "last" if last else "none")
+            logits = self._forward(chunk, "last" if last else "none")
             self.prefill_chunks_run += 1
             timings.prefill_chunks += 1
         return logits
@@ -123,9 +181,21 @@ class Engine:
     def generate(self, req: GenerationRequest, should_cancel: Callable[[], bool] = lambda: False
                  ) -> Iterator[TokenEvent | FinishEvent]:
         self.check_fits(len(req.prompt_ids))
+        images: tuple[ImageKey, ...] = ()
+        if req.images:
+            if not getattr(self.model, "multimodal", False):
+                raise ValueError("this model does not accept images")
+            images = self.model.image_keys(req.prompt_ids, list(req.images))  # validates the image runs
+        try:
+            yield from self._generate(req, images, should_cancel)
+        except Exception:
+            self.drop_sequence()  # keys/values of a failed step are not trusted
+            raise
+
+    def _generate(self, req: GenerationRequest, images: tuple[ImageKey, ...], should_cancel: Callable[[], bool]
+                  ) -> Iterator[TokenEvent | FinishEvent]:
         t0 = time.perf_counter()
         timings = Timings()
-        self.cache.reset()
         sampler = Sampler(req.sampling, self.model.config.vocab_size)
         detok = IncrementalDetokenizer(self.tokenizer)
         stops = StopMatcher(list(req.stop))
@@ -136,20 +206,20 @@ class Engine:
 
         def finish(reason: str, tail: str = "") -> FinishEvent:
             timings.total_ms = _ms(t0)
-            self.cache.reset()
+            self.store.shrink(reserve=len(self.cache_tokens) * self.cache.bytes_per_token)
             return FinishEvent(reason, tail, len(req.prompt_ids), len(generated), generated, timings)
 
+        reused = timings.cache_n = self.begin_sequence(req.prompt_ids, images)
         if req.images:
-            if not getattr(self.model, "multimodal", False):
-                raise ValueError("this model does not accept images")
             t_img = time.perf_counter()
-            n_image_tokens = self.model.prepare_images(self.cache, req.prompt_ids, list(req.images), should_cancel)
+            n_image_tokens = self.model.prepare_images(self.cache, req.prompt_ids, list(req.images), should_cancel,
+                                                       reuse=reused)
             timings.image_encode_ms = _ms(t_img)
             if n_image_tokens is None:
                 yield finish("cancelled")
                 return
             timings.image_tokens = n_image_tokens
-        logits = self.prefill(req.prompt_ids, should_cancel, timings)
+        logits = self.prefill(req.prompt_ids[reused:], should_cancel, timings)
         timings.prefill_ms = _ms(t0) - timings.image_encode_ms
         if logits is None:
             yield finish("cancelled")
@@ -178,7 +248,7 @@ class Engine:
                 yield finish("cancelled")
                 return
             t_step = time.perf_counter()
-            logits = self.model.forward(np.asarray([token], dtype=np.int64), self.cache, "last")
+            logits = self._forward([token], "last")
             self.decode_steps_run += 1
 
 

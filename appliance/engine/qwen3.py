@@ -76,9 +76,9 @@ class Qwen3Model:
     norm: np.ndarray
     lm_head: Callable  # (T, hidden) -> (T, vocab)
 
-    def new_cache(self, max_len: int) -> KVCache:
+    def new_cache(self, max_len: int, dtype=np.float32) -> KVCache:
         c = self.config
-        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len)
+        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len, dtype)
 
     def forward(self, tokens: np.ndarray, cache: KVCache, logits: str = "last") -> np.ndarray | None:
         return forward(self, tokens, cache, logits)

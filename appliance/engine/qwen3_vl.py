@@ -6,7 +6,7 @@ Policies:
   prefill, and leaves in the cache (MRopeCache) what the prefill chunks need: per prompt position its
   three M-RoPE position ids and, at image-pad positions, the row of the image features that replaces the
   token embedding and whose DeepStack features are added after the first decoder layers. Per-sequence state
-  lives in the cache, never in the model, and `reset()` drops it with the keys and values.
+  lives in the cache, never in the model, and `truncate()` drops it (the next request sets its own).
 - Positions follow the reference's get_rope_index: text runs count up on all three axes; an image's tokens
   get (t, row, col) offset by the position where the image starts, and the text after it resumes at that
   start + max(rows, cols). Past the prompt (decode) every axis is `index + delta`, delta = max position + 1
@@ -25,6 +25,7 @@ from . import qwen3
 from .config import Qwen3Config
 from .image_processing import ImageError, ImageProcessor, PixelPatches
 from .kv_cache import KVCache
+from .prefix_cache import ImageKey, image_keys
 from .vision import VisionTower
 
 @dataclass
@@ -38,15 +39,15 @@ class ImageState:
 
 
 class MRopeCache(KVCache):
-    """A KVCache that also holds the prompt's image state (dropped by reset)."""
+    """A KVCache that also holds the prompt's image state (dropped by truncate/reset)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.images: ImageState | None = None
 
-    def reset(self) -> None:
-        super().reset()
-        self.images = None
+    def truncate(self, n: int) -> None:
+        super().truncate(n)
+        self.images = None  # the next request's prepare_images sets its own
 
 
 @dataclass
@@ -65,14 +66,25 @@ class Qwen3VLModel:
         s = self.mrope_section
         self.axis_of_freq = np.where((k % 3 == 1) & (k < 3 * s[1]), 1, np.where((k % 3 == 2) & (k < 3 * s[2]), 2, 0))
 
-    def new_cache(self, max_len: int) -> MRopeCache:
+    def new_cache(self, max_len: int, dtype=np.float32) -> MRopeCache:
         c = self.config
-        return MRopeCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len)
+        return MRopeCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len, dtype)
+
+    def image_keys(self, prompt_ids, images: list[PixelPatches]) -> tuple[ImageKey, ...]:
+        """Each image-pad run's (start, end, pixel digest), for prefix reuse; checks runs against images."""
+        runs = image_pad_runs(np.asarray(prompt_ids, dtype=np.int64), self.image_token_id)
+        if len(runs) != len(images):
+            raise ImageError(f"the prompt has {len(runs)} image placeholders for {len(images)} images")
+        for (start, end), img in zip(runs, images):
+            if end - start != img.num_tokens:
+                raise ImageError(f"an image needs {img.num_tokens} image tokens; the prompt has {end - start}")
+        return image_keys(runs, images)
 
     def prepare_images(self, cache: MRopeCache, prompt_ids, images: list[PixelPatches],
-                       should_cancel: Callable[[], bool] = lambda: False) -> int | None:
-        """Encode the prompt's images into the cache (call after reset, before prefill). Returns the number
-        of image tokens, or None if cancelled between images."""
+                       should_cancel: Callable[[], bool] = lambda: False, reuse: int = 0) -> int | None:
+        """Encode the prompt's images into the cache (call after truncate, before prefill). Returns the number
+        of image tokens, or None if cancelled between images. Images wholly inside the first `reuse` positions
+        (already in the cache) are not encoded: their feature rows are never read."""
         ids = np.asarray(prompt_ids, dtype=np.int64)
         runs = image_pad_runs(ids, self.image_token_id)
         if len(runs) != len(images):
@@ -81,6 +93,11 @@ class Qwen3VLModel:
         for (start, end), img in zip(runs, images):
             if end - start != img.num_tokens:
                 raise ImageError(f"an image needs {img.num_tokens} image tokens; the prompt has {end - start}")
+            if end <= reuse:  # in the reused prefix: placeholders of the right size
+                zeros = np.zeros((end - start, self.config.hidden_size), np.float32)  # (image_tokens, hidden)
+                embeds.append(zeros)
+                deepstack.append([zeros] * len(self.vision.deepstack_mergers))
+                continue
             if should_cancel():
                 return None
             out = self.vision.encode(img.pixel_values, img.grid_thw)

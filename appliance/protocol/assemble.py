@@ -41,7 +41,8 @@ class _Tail:
              completion_ids: Sequence[int], reasoning_tokens: int | None = None) -> bytes:
         out = [sse_event(finish)]
         if chunks.include_usage:
-            out.append(sse_event(chunks.usage(stats.prompt_tokens, stats.completion_tokens, reasoning_tokens)))
+            out.append(sse_event(chunks.usage(stats.prompt_tokens, stats.completion_tokens, reasoning_tokens,
+                                              stats.prompt_tokens_details())))
         if self.include_metrics:
             out.append(sse_event(chunks.metrics(stats)))
         if self.include_tokens:
@@ -129,6 +130,7 @@ class ChatAssembler(_Tail):
                                completion_tokens=stats.completion_tokens, timings=stats,
                                logprobs=self.logprob_entries if self._logprobs else None,
                                tool_calls=self.calls or None, reasoning_tokens=self.reasoning_tokens,
+                               prompt_details=stats.prompt_tokens_details(),
                                system_fingerprint=self.chunks.system_fingerprint)
 
 
@@ -187,4 +189,5 @@ class CompletionAssembler(_Tail):
                                text=self.echo + "".join(self.parts), finish_reason=reason,
                                prompt_tokens=stats.prompt_tokens, completion_tokens=stats.completion_tokens,
                                timings=stats, logprobs=self.logprob_entries if self._logprobs else None,
-                               text_offset=len(self.echo), system_fingerprint=self.chunks.system_fingerprint)
+                               text_offset=len(self.echo), prompt_details=stats.prompt_tokens_details(),
+                               system_fingerprint=self.chunks.system_fingerprint)

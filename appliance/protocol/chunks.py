@@ -30,9 +30,12 @@ def _timings(t: TimingsArg) -> dict[str, Any] | None:
     return t.timings() if isinstance(t, GenerationStats) else dict(t)
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> dict[str, Any]:
+def usage_dict(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None,
+               prompt_details: Mapping[str, int] | None = None) -> dict[str, Any]:
     u: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                          "total_tokens": prompt_tokens + completion_tokens}
+    if prompt_details is not None:
+        u["prompt_tokens_details"] = dict(prompt_details)
     if reasoning_tokens is not None:
         u["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return u
@@ -72,10 +75,10 @@ class _Chunks:
             d["timings"] = t
         return d
 
-    def usage(self, prompt_tokens: int, completion_tokens: int,
-              reasoning_tokens: int | None = None) -> dict[str, Any]:
+    def usage(self, prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None,
+              prompt_details: Mapping[str, int] | None = None) -> dict[str, Any]:
         """The usage chunk (stream_options.include_usage): no choices, just the token counts."""
-        return self._chunk([], usage=usage_dict(prompt_tokens, completion_tokens, reasoning_tokens))
+        return self._chunk([], usage=usage_dict(prompt_tokens, completion_tokens, reasoning_tokens, prompt_details))
 
     def metrics(self, stats: GenerationStats) -> dict[str, Any]:
         return metrics_event(stats)
@@ -135,7 +138,7 @@ def chat_completion(completion_id: str, model: str, created: int, *, content: st
                     reasoning_content: str | None = None, timings: TimingsArg = None,
                     logprobs: Sequence[LogprobEntry] | None = None,
                     tool_calls: list[dict[str, Any]] | None = None,
-                    reasoning_tokens: int | None = None,
+                    reasoning_tokens: int | None = None, prompt_details: Mapping[str, int] | None = None,
                     system_fingerprint: str | None = None) -> dict[str, Any]:
     """The non-stream `chat.completion` response."""
     message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -149,7 +152,7 @@ def chat_completion(completion_id: str, model: str, created: int, *, content: st
     d["choices"] = [{"index": 0, "message": message,
                      "logprobs": chat_logprobs(logprobs) if logprobs is not None else None,
                      "finish_reason": finish_reason}]
-    d["usage"] = usage_dict(prompt_tokens, completion_tokens, reasoning_tokens)
+    d["usage"] = usage_dict(prompt_tokens, completion_tokens, reasoning_tokens, prompt_details)
     t = _timings(timings)
     if t is not None:
         d["timings"] = t
@@ -159,6 +162,7 @@ def chat_completion(completion_id: str, model: str, created: int, *, content: st
 def text_completion(completion_id: str, model: str, created: int, *, text: str, finish_reason: str,
                     prompt_tokens: int, completion_tokens: int, timings: TimingsArg = None,
                     logprobs: Sequence[LogprobEntry] | None = None, text_offset: int = 0,
+                    prompt_details: Mapping[str, int] | None = None,
                     system_fingerprint: str | None = None) -> dict[str, Any]:
     """The non-stream `text_completion` response of /v1/completions (`text_offset`: where the generated
     tokens start in `text`, i.e. the echoed prompt's length when echo is on)."""
@@ -168,7 +172,7 @@ def text_completion(completion_id: str, model: str, created: int, *, text: str, 
     d["choices"] = [{"text": text, "index": 0,
                      "logprobs": completion_logprobs(logprobs, text_offset) if logprobs is not None else None,
                      "finish_reason": finish_reason}]
-    d["usage"] = usage_dict(prompt_tokens, completion_tokens)
+    d["usage"] = usage_dict(prompt_tokens, completion_tokens, prompt_details=prompt_details)
     t = _timings(timings)
     if t is not None:
         d["timings"] = t

@@ -15,7 +15,9 @@ CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 METRICS: dict[str, tuple[str, str]] = {
     "kestrel_requests_total": ("counter", "HTTP requests handled, by endpoint and status code."),
     "kestrel_generations_total": ("counter", "Generations finished, by finish reason."),
-    "kestrel_prompt_tokens_total": ("counter", "Prompt tokens prefilled."),
+    "kestrel_prompt_tokens_total": ("counter", "Prompt tokens of finished generations (reused + prefilled)."),
+    "kestrel_prompt_tokens_cached_total": ("counter", "Prompt tokens whose keys/values were reused from the cache."),
+    "kestrel_prompt_tokens_prefilled_total": ("counter", "Prompt tokens run through the model (prefill)."),
     "kestrel_generated_tokens_total": ("counter", "Completion tokens generated."),
     "kestrel_prefill_seconds_total": ("counter", "Time spent in prefill."),
     "kestrel_decode_seconds_total": ("counter", "Time spent in decode steps."),

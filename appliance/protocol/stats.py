@@ -2,9 +2,12 @@
 
 Policies:
 - `timings` (on the final chunk and on non-stream responses) mirrors llama.cpp's server names so tools that read
-  llama.cpp's figures read ours: prompt_* is prefill, predicted_* is everything after prefill (predicted_n is the
-  number of completion tokens, as llama.cpp counts them). Our own ttft_ms and tpot_ms are added.
-- The `chat.completion.metrics` extension event carries the seed's names (prompt_tokens, ttft_ms, tpot_ms, ...).
+  llama.cpp's figures read ours: prompt_* is prefill of the tokens actually run (prompt_n excludes the reused
+  prefix, cache_n counts it, as llama.cpp's server does), predicted_* is everything after prefill (predicted_n
+  is the number of completion tokens, as llama.cpp counts them). Our own ttft_ms and tpot_ms are added.
+- The `chat.completion.metrics` extension event carries the seed's names (prompt_tokens, ttft_ms, tpot_ms, ...)
+  plus cached_tokens; prefill_ms / prefill_tok_s cover the prefilled rest.
+- usage.prompt_tokens_details (OpenAI's names): cached_tokens always; text_tokens / image_tokens with images.
 - Milliseconds are rounded to 3 decimals; rates of an empty interval are 0.0 (JSON has no Infinity/NaN).
 """
 from __future__ import annotations
@@ -40,6 +43,7 @@ class GenerationStats:
     queue_ms: float = 0.0     # time spent waiting for the engine (server side)
     image_tokens: int = 0     # image-pad tokens in the prompt (part of prompt_tokens)
     image_encode_ms: float = 0.0  # vision tower time (before prefill; inside ttft, not prefill)
+    cached_tokens: int = 0    # prompt tokens whose keys/values were reused (part of prompt_tokens)
 
     @classmethod
     def from_finish(cls, finish: Any, queue_ms: float = 0.0) -> "GenerationStats":
@@ -48,7 +52,19 @@ class GenerationStats:
         return cls(prompt_tokens=finish.prompt_tokens, completion_tokens=finish.completion_tokens,
                    prefill_ms=t.prefill_ms, ttft_ms=t.ttft_ms, decode_ms=float(sum(t.decode_ms)),
                    total_ms=t.total_ms, tpot_ms=t.tpot_ms, tok_s=t.tok_s, queue_ms=queue_ms,
-                   image_tokens=getattr(t, "image_tokens", 0), image_encode_ms=getattr(t, "image_encode_ms", 0.0))
+                   image_tokens=getattr(t, "image_tokens", 0), image_encode_ms=getattr(t, "image_encode_ms", 0.0),
+                   cached_tokens=getattr(t, "cache_n", 0))
+
+    @property
+    def prefilled_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+    def prompt_tokens_details(self) -> dict[str, int]:
+        """usage.prompt_tokens_details."""
+        d = {"cached_tokens": self.cached_tokens}
+        if self.image_tokens:
+            d.update(text_tokens=self.prompt_tokens - self.image_tokens, image_tokens=self.image_tokens)
+        return d
 
     def _images(self) -> dict[str, Any]:
         """Image figures, present only when the prompt had images."""
@@ -60,10 +76,11 @@ class GenerationStats:
         """llama.cpp-style `timings` object."""
         predicted_ms = max(self.total_ms - self.prefill_ms, 0.0)
         return {
-            "prompt_n": self.prompt_tokens,
+            "cache_n": self.cached_tokens,
+            "prompt_n": self.prefilled_tokens,
             "prompt_ms": _num(self.prefill_ms),
-            "prompt_per_token_ms": _per(self.prefill_ms, self.prompt_tokens),
-            "prompt_per_second": _rate(self.prompt_tokens, self.prefill_ms),
+            "prompt_per_token_ms": _per(self.prefill_ms, self.prefilled_tokens),
+            "prompt_per_second": _rate(self.prefilled_tokens, self.prefill_ms),
             "predicted_n": self.completion_tokens,
             "predicted_ms": _num(predicted_ms),
             "predicted_per_token_ms": _per(predicted_ms, self.completion_tokens),
@@ -84,7 +101,8 @@ class GenerationStats:
             "decode_ms": _num(self.decode_ms),
             "total_ms": _num(self.total_ms),
             "tok_s": _num(self.tok_s),
-            "prefill_tok_s": _rate(self.prompt_tokens, self.prefill_ms),
+            "prefill_tok_s": _rate(self.prefilled_tokens, self.prefill_ms),
             "queue_ms": _num(self.queue_ms),
+            "cached_tokens": self.cached_tokens,
             **self._images(),
         }
