@@ -6,7 +6,7 @@ import pytest
 
 from appliance.engine.generate import Engine, FinishEvent, GenerationRequest
 from appliance.engine.image_processing import decode_image
-from appliance.engine.model_dir import load_model
+from appliance.engine.load import load_model
 from appliance.engine.prefix_cache import common_prefix
 from appliance.engine.qwen3_vl import expand_image_pads
 from appliance.engine.sampling import SamplingParams
