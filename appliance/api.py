@@ -1,4 +1,5 @@
-"""The application: routes, auth, CORS, the OpenAI generation endpoints (the Ollama API is ollama_api.py).
+"""The application: routes, auth, CORS, the OpenAI generation endpoints (the Ollama API is ollama_api.py, the
+Responses API responses_api.py).
 
 Policies:
 - Order of checks: route (404/405) -> API key (401; /health, /v1/models, /, /api/version and CORS preflights
@@ -35,6 +36,7 @@ from .engine.image_processing import ImageError
 from .generation import Generation
 from .h11_server import Exchange
 from .ollama_api import OllamaApi, is_ollama_path
+from .responses_api import ResponsesApi
 from .image_inputs import ImageBytesLimit, ImageTokensOverContext, image_urls, prepare_images
 from .offload import IMAGE_THREADS, PREP_THREADS, TRIM_BYTES, LoopLag, off_loop, trim_memory
 from .protocol import prometheus
@@ -90,6 +92,7 @@ class Api:
         # (and for every other client) / answers Ollama's plain-text probe.
         self.html_root: Callable[[Exchange], Awaitable[None]] | None = None
         self.ollama = OllamaApi(self)
+        self.responses = ResponsesApi(self)
 
     # ---- dispatch --------------------------------------------------------------------------------------
     async def __call__(self, ex: Exchange) -> None:

@@ -108,24 +108,71 @@ def ollama_mutate(rng: random.Random) -> dict:
     return body
 
 
+def outcome(parse, raw: bytes, kind: type, rng: random.Random, render_error) -> str:
+    """Parse one body: "ok" (a request of `kind`) or "400" (an ApiError whose body `render_error` makes)."""
+    try:
+        r = parse(raw, defaults={"temperature": 0.6}, context_length=4096, images_supported=rng.random() < 0.5)
+    except ApiError as e:
+        assert e.status == 400 and e.type == "invalid_request_error" and e.message
+        rendered = json.loads(render_error(e))
+        assert rendered["error"]       # OpenAI's {"error": {...}} or Ollama's {"error": "..."}
+        return "400"
+    assert isinstance(r, kind)
+    return "ok"
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_ollama_bodies_end_in_a_request_or_a_400(seed):
     from appliance.protocol.ollama_requests import OllamaRequest, parse_ollama_chat, parse_ollama_generate
     from appliance.protocol.ollama_stream import error_body as ollama_error_body
     rng = random.Random(1000 + seed)
-    outcomes = {"ok": 0, "400": 0}
+    seen = set()
     for _ in range(400):
         raw = json.dumps(ollama_mutate(rng)).encode()
         if rng.random() < 0.1:
             raw = raw[:rng.randrange(len(raw))]
         for parse in (parse_ollama_chat, parse_ollama_generate):
-            try:
-                r = parse(raw, defaults={"temperature": 0.6}, context_length=4096, images_supported=rng.random() < 0.5)
-            except ApiError as e:
-                assert e.status == 400 and e.message
-                assert set(json.loads(ollama_error_body(e))) == {"error"}
-                outcomes["400"] += 1
+            seen.add(outcome(parse, raw, OllamaRequest, rng, ollama_error_body))
+    assert seen == {"ok", "400"}
+
+
+# ---- the Responses API (/v1/responses) --------------------------------------------------------------------
+
+RESPONSES_FIELDS = ["model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools",
+                    "tool_choice", "text", "reasoning", "stream", "store", "previous_response_id", "metadata",
+                    "parallel_tool_calls", "top_logprobs", "background"]
+RESPONSES_GOOD = {"model": "m", "input": "hi", "instructions": "x", "max_output_tokens": 32, "temperature": 0.5,
+                  "tools": [{"type": "function", "name": "f"}], "tool_choice": "auto", "stream": True,
+                  "reasoning": {"effort": "none"}, "text": {"format": {"type": "text"}}}
+ITEM_TYPES = ["message", "function_call", "function_call_output", "reasoning", "item_reference", "x", None]
+PART_TYPES = ["input_text", "input_image", "output_text", "refusal", "input_file"]
+
+
+def responses_mutate(rng: random.Random) -> dict:
+    body = {k: v for k, v in RESPONSES_GOOD.items() if rng.random() < 0.7}
+    for _ in range(rng.randint(1, 4)):
+        body[rng.choice(RESPONSES_FIELDS)] = rand_value(rng)
+    if rng.random() < 0.5:
+        items = []
+        for _ in range(rng.randint(0, 4)):
+            item = {"type": rng.choice(ITEM_TYPES), "role": rng.choice(["user", "assistant", "system", "tool"]),
+                    "call_id": rng.choice(["c1", None, 3]), "name": rng.choice(["f", None]),
+                    "arguments": rng.choice(["{}", None, {}]), "output": rand_value(rng, 2)}
+            if rng.random() < 0.5:
+                item["content"] = [{"type": rng.choice(PART_TYPES), "text": rand_value(rng, 3),
+                                    "image_url": rng.choice(["data:image/png;base64,AAAA", None, 5])}
+                                   for _ in range(rng.randint(0, 3))]
             else:
-                assert isinstance(r, OllamaRequest)
-                outcomes["ok"] += 1
-    assert outcomes["ok"] > 0 and outcomes["400"] > 0
+                item["content"] = rand_value(rng, 2)
+            items.append({k: v for k, v in item.items() if v is not None or rng.random() < 0.3})
+        body["input"] = items
+    return body
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_responses_bodies_end_in_a_request_or_a_400(seed):
+    from appliance.protocol.responses_requests import ResponsesRequest, parse_responses_request
+    rng = random.Random(2000 + seed)
+    seen = {outcome(parse_responses_request, json.dumps(responses_mutate(rng)).encode(), ResponsesRequest, rng,
+                    error_body) for _ in range(400)}
+    assert seen == {"ok", "400"}

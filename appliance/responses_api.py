@@ -1,0 +1,33 @@
+"""POST /v1/responses: OpenAI's Responses API, stateless. Parsing and the event stream live in
+protocol/responses_*.py; the request goes through the same preparation (worker thread), admission, image
+decoding and Generation path as /v1/chat/completions. Errors are OpenAI's error JSON, the 429 included."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .h11_server import Exchange
+from .protocol.reasoning import prompt_ends_in_reasoning
+from .protocol.responses_requests import parse_responses_request
+from .protocol.responses_stream import ResponsesAssembler
+
+
+class ResponsesApi:
+    def __init__(self, api: Any):
+        self.api = api
+        api.routes["/v1/responses"] = {"POST": self.create}
+
+    def _prepare(self, loaded: Any, body: bytes):
+        """Worker thread: body -> (parsed request, prompt text, prompt ids)."""
+        r = parse_responses_request(body, defaults=loaded.default_sampling, context_length=loaded.context_length,
+                                    images_supported=loaded.multimodal)
+        prompt, ids = self.api.render_prompt(loaded, r.request, len(body))
+        return r, prompt, ids
+
+    async def create(self, ex: Exchange) -> None:
+        loaded = self.api.loaded()
+        body = await ex.read_body()
+        r, prompt, ids = await self.api.prepare(lambda: self._prepare(loaded, body))
+        out = ResponsesAssembler(self.api.cfg.model_name, int(time.time()), r.echo,
+                                 in_reasoning=prompt_ends_in_reasoning(prompt), tools=bool(r.request.tools))
+        await self.api.generate_chat(ex, loaded, r.request, ids, out, len(body))
