@@ -116,6 +116,8 @@ def test_create_non_stream_and_stream(client):
     assert events[0].type == "response.created" and events[-1].type == "response.completed"
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == ANSWER
     assert events[-1].response.output_text == ANSWER
+    details = events[-1].response.usage.input_tokens_details      # the same prompt again: its KV was reused
+    assert 0 < details.cached_tokens < r.usage.input_tokens
     cut = client.responses.create(model="m", input=[{"role": "user", "content": "Weather?"}],
                                   reasoning=NO_THINKING, temperature=0, max_output_tokens=16,
                                   instructions="Answer briefly.")

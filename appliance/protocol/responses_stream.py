@@ -39,8 +39,11 @@ def typed_event(obj: dict[str, Any]) -> bytes:
     return b"event: " + obj["type"].encode("ascii") + b"\ndata: " + json_bytes(obj) + b"\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None) -> dict[str, Any]:
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None,
+          cached_tokens: int = 0) -> dict[str, Any]:
+    """cached_tokens: prompt tokens the engine reused from an earlier sequence's KV (not prefilled again)."""
+    return {"input_tokens": prompt_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
             "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens or 0},
             "total_tokens": prompt_tokens + completion_tokens}
 
@@ -75,7 +78,8 @@ class ResponsesAssembler:
                 "temperature": self.echo.get("temperature"), "text": self.echo.get("text", {"format": {"type": "text"}}),
                 "tool_choice": self.echo.get("tool_choice", "auto"), "tools": self.echo.get("tools", []),
                 "top_p": self.echo.get("top_p"), "truncation": "disabled",
-                "usage": usage(stats.prompt_tokens, stats.completion_tokens, self.router.reasoning_tokens)
+                "usage": usage(stats.prompt_tokens, stats.completion_tokens, self.router.reasoning_tokens,
+                               stats.cached_tokens)
                 if stats is not None else None,
                 "user": self.echo.get("user"), "metadata": self.echo.get("metadata", {})}
 
