@@ -140,3 +140,32 @@ def test_responses_queue_comments_and_429(server):
     b.close()
     last = json.loads(rb.events[-1][1].split(b"\ndata: ", 1)[1])
     assert last["type"] == "response.incomplete" and last["response"]["usage"]["output_tokens"] == 16
+
+
+def test_random_bodies_over_the_wire_get_200_or_a_4xx_in_each_apis_shape(server):
+    """The fuzz tests' random bodies, sent to every new endpoint over real sockets: each answer is a 200 (a
+    stream we then drop, which cancels it) or a 4xx in that API's error shape; the server keeps serving."""
+    import random
+
+    from tests.test_protocol_fuzz import ollama_mutate, responses_mutate
+    rng = random.Random(7)
+    seen: dict[int, int] = {}
+    for i in range(90):
+        path, body = [("/api/chat", ollama_mutate), ("/api/generate", ollama_mutate),
+                      ("/v1/responses", responses_mutate), ("/api/show", ollama_mutate)][i % 4]
+        payload = json.dumps(body(rng)).encode()
+        c = RawClient(server.port, timeout=30)
+        c.send(request_bytes("POST", path, payload))
+        r = c.read_head()
+        seen[r.status] = seen.get(r.status, 0) + 1
+        if r.status != 200:
+            err = json.loads(c.read_body(r))["error"]
+            assert 400 <= r.status < 500, (path, payload, err)
+            assert isinstance(err, str) if path.startswith("/api/") else set(err) == {"message", "type", "param", "code"}
+        c.close()
+        server.wait_for(lambda: not server.worker.busy and server.worker.waiting == 0, what="the engine to idle")
+    assert seen.get(200, 0) > 0 and sum(n for s, n in seen.items() if s >= 400) > 0
+    c = RawClient(server.port)
+    c.send(request_bytes("GET", "/health"))
+    assert c.read_head().status == 200
+    c.close()
