@@ -33,6 +33,7 @@ from typing import Any, Awaitable, Callable
 import trio
 
 from .engine.image_processing import ImageError
+from . import web
 from .generation import Generation
 from .h11_server import Exchange
 from .ollama_api import OllamaApi, is_ollama_path
@@ -62,9 +63,10 @@ class ApiConfig:
     queue_keepalive_s: float = 5.0     # SSE comment interval while a stream waits in the queue
     cors_origin: str = "*"
     image_dirs: tuple[str, ...] = ()   # local image files allowed from these directories (none: data URIs only)
+    web: bool = True                   # the chat page at / (for browsers) and /chat/ (--no-web turns it off)
 
 
-OPEN_PATHS = {"/health", "/v1/models", "/", "/api/version"}
+OPEN_PATHS = {"/health", "/v1/models", "/", "/api/version", "/chat"}
 CORS_METHODS = b"GET, HEAD, POST, DELETE, OPTIONS"
 CORS_DEFAULT_HEADERS = b"Authorization, Content-Type"
 
@@ -87,12 +89,16 @@ class Api:
             "/v1/models": {"GET": self.models},
             "/v1/chat/completions": {"POST": self.chat},
             "/v1/completions": {"POST": self.completions},
+            "/props": {"GET": self.props},
         }
         # GET / for a browser (Accept: text/html): the chat page's handler, when one is installed; otherwise
         # (and for every other client) / answers Ollama's plain-text probe.
         self.html_root: Callable[[Exchange], Awaitable[None]] | None = None
         self.ollama = OllamaApi(self)
         self.responses = ResponsesApi(self)
+        if cfg.web:  # the chat page (appliance/web)
+            self.html_root = self.page
+            self.routes["/chat"] = {"GET": self.page}
 
     # ---- dispatch --------------------------------------------------------------------------------------
     async def __call__(self, ex: Exchange) -> None:
@@ -166,6 +172,15 @@ class Api:
         return self.worker.loaded
 
     # ---- simple endpoints ------------------------------------------------------------------------------
+    async def page(self, ex: Exchange) -> None:
+        page = web.chat_page()
+        await ex.respond(200, page.headers, page.body)
+
+    async def props(self, ex: Exchange) -> None:
+        from .cli import version
+        loaded = self.worker.loaded if self.worker.state == "ready" else None
+        await self.send_json(ex, web.props(self.cfg.model_name, loaded, f"kestrel-appliance {version()}"))
+
     async def health(self, ex: Exchange) -> None:
         w = self.worker
         if w.state == "ready":

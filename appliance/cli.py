@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--moe-release-pages", action="store_true",
                    help="mixture-of-experts models: give each expert's weight pages back to the kernel after use, "
                         "so resident memory stays well under the file size (slower when experts repeat)")
+    s.add_argument("--no-web", action="store_true",
+                   help="do not serve the built-in chat page at / and /chat/ (headless deployments)")
     s.add_argument("--extension-events", action="store_true",
                    help="send the chat.completion.metrics / .tokens events on every stream by default")
     s.add_argument("--image-dir", action="append", default=[], metavar="DIR",
@@ -185,7 +187,8 @@ async def serve(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
 
     worker = Worker(load=lambda: _load(args), queue_limit=args.queue)
     api = Api(worker, ApiConfig(model_name=model_name(args.model), api_keys=keys,
-                                extension_events=args.extension_events, image_dirs=tuple(args.image_dir)))
+                                extension_events=args.extension_events, image_dirs=tuple(args.image_dir),
+                                web=not args.no_web))
     server = HttpServer(ServerConfig(host=args.host, port=args.port, grace_period=args.grace), api)
     try:
         await server.listen()

@@ -32,6 +32,7 @@ from .protocol.fields import load_json_object
 from .protocol.ollama_requests import OllamaRequest, parse_ollama_chat, parse_ollama_generate
 from .protocol.ollama_stream import (OllamaChatAssembler, OllamaGenerateAssembler, load_response, rfc3339)
 from .protocol.reasoning import prompt_ends_in_reasoning
+from .web import wants_html
 
 OLLAMA_COMPAT_VERSION = "0.12.0"
 ROOT_TEXT = b"Ollama is running"
@@ -124,8 +125,7 @@ class OllamaApi:
 
     # ---- probes and model listing ----------------------------------------------------------------------
     async def root(self, ex: Exchange) -> None:
-        accept = ex.header("accept") or ""
-        if self.api.html_root is not None and "text/html" in accept:
+        if self.api.html_root is not None and wants_html(ex.header("accept")):
             return await self.api.html_root(ex)
         headers = [(b"Content-Type", b"text/plain; charset=utf-8")] + self.api.cors_headers()
         if ex.method == "HEAD":  # the GET's headers, no body

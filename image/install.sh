@@ -3,7 +3,10 @@
 # the executable, the systemd unit (enabled), the settings file, an API key, the service account and a model.
 #
 #   image/install.sh --root DIR --binary FILE --model DIR [--model-name NAME]
-#                    [--host ADDR] [--port N] [--threads N] [--api-key-file FILE]
+#                    [--host ADDR] [--port N] [--threads N] [--api-key-file FILE] [--kiosk]
+#
+# --kiosk also installs and enables kestrel-kiosk.service: the chat page full screen on the board's display
+# (cage + Chromium on tty1, as the account kestrel-kiosk; the image needs the packages cage and chromium).
 #
 # Policy: runs on the build host, never executes anything from the target (the target may be another
 # architecture). The account is added with useradd --root (it edits the target's passwd/group/shadow).
@@ -15,7 +18,7 @@ usage() { sed -n '4,5p' "$0" | sed 's/^# *//' >&2; exit 2; }
 die() { echo "install.sh: $*" >&2; exit 1; }
 
 HERE=$(cd "$(dirname "$0")" && pwd)
-ROOT= BINARY= MODEL= MODEL_NAME= HOST=0.0.0.0 PORT=8080 THREADS=4 KEY_FILE=
+ROOT= BINARY= MODEL= MODEL_NAME= HOST=0.0.0.0 PORT=8080 THREADS=4 KEY_FILE= KIOSK=0
 while [ $# -gt 0 ]; do
     case "$1" in
         --root) ROOT=${2:?}; shift 2 ;;
@@ -26,6 +29,7 @@ while [ $# -gt 0 ]; do
         --port) PORT=${2:?}; shift 2 ;;
         --threads) THREADS=${2:?}; shift 2 ;;
         --api-key-file) KEY_FILE=${2:?}; shift 2 ;;
+        --kiosk) KIOSK=1; shift ;;
         -h|--help) usage ;;
         *) echo "install.sh: unknown option $1" >&2; usage ;;
     esac
@@ -94,5 +98,26 @@ chmod 0640 "$ROOT$CONF_DIR/api-key"
 WANTS=$ROOT/etc/systemd/system/multi-user.target.wants
 mkdir -p "$WANTS"
 ln -sfn "$UNIT_DST" "$WANTS/$SVC.service"
+
+# 6. optional: the kiosk session (its own account, a writable home for the browser profile, the unit enabled
+#    for graphical.target, which becomes the default target)
+if [ "$KIOSK" = 1 ]; then
+    KIOSK_HOME=/var/lib/kestrel-kiosk
+    groups=$(for g in video render input audio; do if grep -q "^$g:" "$ROOT/etc/group"; then echo "$g"; fi; done | paste -sd, -)
+    if ! grep -q "^kestrel-kiosk:" "$ROOT/etc/passwd"; then
+        useradd --root "$ROOT" --system --user-group --no-create-home ${groups:+--groups "$groups"} \
+            --home-dir "$KIOSK_HOME" --shell /usr/sbin/nologin --comment "Kestrel chat kiosk" kestrel-kiosk
+    fi
+    KUID=$(awk -F: '$1 == "kestrel-kiosk" { print $3 }' "$ROOT/etc/passwd")
+    KGID=$(awk -F: '$1 == "kestrel-kiosk" { print $4 }' "$ROOT/etc/passwd")
+    install -d -m 0700 -o "$KUID" -g "$KGID" "$ROOT$KIOSK_HOME"
+    install -D -m 0644 "$HERE/kestrel-kiosk.service" "$ROOT/etc/systemd/system/kestrel-kiosk.service"
+    mkdir -p "$ROOT/etc/systemd/system/graphical.target.wants"
+    ln -sfn /etc/systemd/system/kestrel-kiosk.service "$ROOT/etc/systemd/system/graphical.target.wants/kestrel-kiosk.service"
+    ln -sfn /lib/systemd/system/graphical.target "$ROOT/etc/systemd/system/default.target"
+    for exe in /usr/bin/cage /usr/bin/chromium; do
+        [ -x "$ROOT$exe" ] || echo "install.sh: warning: $exe is missing in $ROOT; the kiosk needs the Debian packages cage and chromium" >&2
+    done
+fi
 
 echo "install.sh: installed $SVC into $ROOT (model $MODEL_DST, port $PORT)" >&2

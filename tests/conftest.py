@@ -63,3 +63,12 @@ def scripted_qwen3(tmp_path_factory) -> str:
     " Sunny in Paris today." (thinking off). See tests/support/scripted_model.py."""
     from tests.support.scripted_model import build_scripted_qwen3
     return build_scripted_qwen3(str(tmp_path_factory.mktemp("scripted-qwen3")))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Where the chat page's screenshots went (tests/test_web_chat.py), so a person can look at them."""
+    from tests.support.browser import SCREENSHOTS
+    if SCREENSHOTS:
+        terminalreporter.write_sep("-", f"chat page screenshots in {os.path.dirname(SCREENSHOTS[0])}")
+        for path in SCREENSHOTS:
+            terminalreporter.write_line(path)

@@ -77,10 +77,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def get(port: int, path: str) -> tuple[int, bytes]:
+def get(port: int, path: str, headers: dict | None = None) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
-        conn.request("GET", path)
+        conn.request("GET", path, headers=headers or {})
         resp = conn.getresponse()
         return resp.status, resp.read()
     finally:
@@ -180,6 +180,12 @@ def test_serves_a_streamed_chat_and_exits_0_on_sigterm(clean_dir, tmp_path):
         assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/event-stream")
         events = [e for e in body.split("\n\n") if e.strip()]
         assert events[-1] == "data: [DONE]" and len(events) >= 3, body
+
+        # the chat page is bundled: the same bytes as the source tree's, at / for browsers and at /chat/
+        from appliance.web import ChatPage
+        page = ChatPage.from_package().body
+        assert get(port, "/", {"Accept": "text/html,*/*;q=0.8"}) == (200, page)
+        assert get(port, "/chat/") == (200, page)
 
         time.sleep(2.5)  # idle past one watchdog period: the pings must keep coming without requests
         proc.send_signal(signal.SIGTERM)  # to the main process only, as KillMode=mixed does

@@ -181,3 +181,34 @@ def test_sysusers_entry_describes_the_account_install_made(target, tiny_qwen3_ti
         assert passwd_entry(fresh, "passwd", "kestrel")[4:] == made[4:]  # same comment, home and shell
     finally:
         shutil.rmtree(fresh)
+
+
+def test_the_kiosk_is_off_by_default_and_installed_with_kiosk(target, tiny_qwen3_tied):
+    kiosk = "kestrel-kiosk.service"
+    assert install(target, tiny_qwen3_tied).returncode == 0
+    assert not os.path.exists(os.path.join(target, "etc/systemd/system", kiosk))
+    assert passwd_entry(target, "passwd", "kestrel-kiosk") is None
+
+    r = install(target, tiny_qwen3_tied, "--kiosk")
+    assert r.returncode == 0, r.stderr
+    assert "cage and chromium" in r.stderr  # this root has neither: said, not fatal
+    assert filecmp.cmp(os.path.join(target, "etc/systemd/system", kiosk), os.path.join(IMAGE, kiosk), shallow=False)
+    user = passwd_entry(target, "passwd", "kestrel-kiosk")
+    assert user is not None and 0 < int(user[2]) < 1000 and user[5] == "/var/lib/kestrel-kiosk"
+    home = os.stat(target + user[5])
+    assert home.st_uid == int(user[2]) and stat.S_IMODE(home.st_mode) == 0o700  # the browser profile lives here
+    video = passwd_entry(target, "group", "video")
+    assert video is not None and "kestrel-kiosk" in video[3].split(",")
+    enabled = subprocess.run(["systemctl", f"--root={target}", "is-enabled", kiosk], capture_output=True, text=True)
+    assert enabled.stdout.strip() == "enabled", enabled
+    assert os.readlink(os.path.join(target, "etc/systemd/system/default.target")).endswith("/graphical.target")
+    # systemd's own check of the unit, with stand-ins for the two programs the board image must bring
+    for exe in ("usr/bin/cage", "usr/bin/chromium"):
+        shutil.copy2(os.path.join(target, "bin", "true"), os.path.join(target, exe))
+    r = subprocess.run(["systemd-analyze", "verify", f"--root={target}", kiosk], capture_output=True, text=True)
+    assert r.returncode == 0 and kiosk not in r.stdout + r.stderr, r.stdout + r.stderr
+    # the page the kiosk opens is the appliance's own port from appliance.env
+    unit = open(os.path.join(IMAGE, kiosk)).read()
+    assert re.search(r"^ExecStart=/usr/bin/cage -s -- /usr/bin/chromium --kiosk .* http://127\.0\.0\.1:\$\{KESTREL_PORT\}/$",
+                     unit, re.M)
+    assert "KESTREL_PORT" in read_env(os.path.join(target, "etc/kestrel-appliance/appliance.env"))
