@@ -7,13 +7,13 @@ route it to `reasoning_content`, stream and non-stream alike, and count it as re
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
 from appliance.engine.generate import GenerationRequest
 from appliance.engine.load import load_model
 from appliance.engine.sampling import SamplingParams
+from tests.support import tiny_models
 from tests.support.live_server import LiveServer, RawClient, chat_body, request_bytes
 
 N = 12
@@ -21,17 +21,7 @@ N = 12
 
 @pytest.fixture(scope="module")
 def thinking_dir(tiny_qwen3_tied, tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-thinking")
-    for name in os.listdir(tiny_qwen3_tied):
-        if name != "chat_template.jinja":
-            os.symlink(os.path.join(tiny_qwen3_tied, name), d / name)
-    with open(os.path.join(tiny_qwen3_tied, "chat_template.jinja"), encoding="utf-8") as f:
-        template = f.read()
-    opened = template.replace("{{- '<|im_start|>assistant\\n' }}\n    {%- if enable_thinking",
-                              "{{- '<|im_start|>assistant\\n<think>\\n' }}\n    {%- if enable_thinking")
-    assert opened != template
-    (d / "chat_template.jinja").write_text(opened, encoding="utf-8")
-    return str(d)
+    return tiny_models.thinking_copy(tiny_qwen3_tied, str(tmp_path_factory.mktemp("tiny-thinking")))
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,11 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
 import time
 
 import pytest
 
+from tests.support import tiny_models
 from tests.support.browser import launch, save_screenshot
 from tests.support.live_server import LiveServer, RawClient, chat_body, request_bytes
 
@@ -254,17 +254,8 @@ def test_busy_429_and_waiting_in_line_are_shown(browser, tiny_qwen3_tied):
 def thinking_server(tiny_qwen3_tied, tmp_path_factory):
     """The tiny checkpoint with a template that opens <think> in the generation prompt (as thinking-only
     Qwen3 templates do), so what the model writes with thinking on is reasoning_content."""
-    d = tmp_path_factory.mktemp("tiny-thinking-web")
-    for name in os.listdir(tiny_qwen3_tied):
-        if name != "chat_template.jinja":
-            os.symlink(os.path.join(tiny_qwen3_tied, name), d / name)
-    with open(os.path.join(tiny_qwen3_tied, "chat_template.jinja"), encoding="utf-8") as f:
-        template = f.read()
-    opened = template.replace("{{- '<|im_start|>assistant\\n' }}\n    {%- if enable_thinking",
-                              "{{- '<|im_start|>assistant\\n<think>\\n' }}\n    {%- if enable_thinking")
-    assert opened != template
-    (d / "chat_template.jinja").write_text(opened, encoding="utf-8")
-    with LiveServer(str(d)) as s:
+    d = tiny_models.thinking_copy(tiny_qwen3_tied, str(tmp_path_factory.mktemp("tiny-thinking-web")))
+    with LiveServer(d) as s:
         yield s
 
 

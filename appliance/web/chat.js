@@ -321,6 +321,11 @@
     const stream = new MarkdownStream(md);
     let content = "", thinking = "", events = 0, thinkStart = 0, thought = false;
     const wait = (text) => { status.className = "status wait"; status.textContent = text; };
+    const took = (label) => {  // one more event shown
+      wait(label);
+      art.dataset.events = ++events;
+      follow();
+    };
     wait("Sending…");
     return {
       el: art,
@@ -346,9 +351,7 @@
         if (!thinking) { think.hidden = false; think.open = true; thinkStart = performance.now(); }
         thinking += text;
         thinkBody.append(text);
-        wait("Thinking…");
-        art.dataset.events = ++events;
-        follow();
+        took("Thinking…");
       },
       text(t) {
         art.classList.remove("busy");
@@ -359,9 +362,7 @@
         }
         content += t;
         stream.push(t);
-        wait("Writing…");
-        art.dataset.events = ++events;
-        follow();
+        took("Writing…");
       },
       error(text) {
         art.classList.add("failed");

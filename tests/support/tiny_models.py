@@ -108,3 +108,20 @@ def build_qwen3_moe(out_dir: str, *, hidden: int = 64, layers: int = 3, heads: i
     write_generation_config(out_dir)
     shutil.copyfile(os.path.join(FIXTURES, "qwen3", "chat_template.jinja"), os.path.join(out_dir, "chat_template.jinja"))
     return out_dir
+
+
+def thinking_copy(model_dir: str, out_dir: str) -> str:
+    """A copy of a tiny Qwen3 checkpoint (files symlinked) whose chat template opens `<think>` in the generation
+    prompt, as thinking-only Qwen3 templates do: what the model writes is reasoning unless enable_thinking is false."""
+    os.makedirs(out_dir, exist_ok=True)
+    for name in os.listdir(model_dir):
+        if name != "chat_template.jinja":
+            os.symlink(os.path.join(model_dir, name), os.path.join(out_dir, name))
+    with open(os.path.join(model_dir, "chat_template.jinja"), encoding="utf-8") as f:
+        template = f.read()
+    opened = template.replace("{{- '<|im_start|>assistant\\n' }}\n    {%- if enable_thinking",
+                              "{{- '<|im_start|>assistant\\n<think>\\n' }}\n    {%- if enable_thinking")
+    assert opened != template, "the chat template changed: the generation prompt was not found"
+    with open(os.path.join(out_dir, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(opened)
+    return out_dir
