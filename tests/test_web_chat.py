@@ -188,7 +188,9 @@ def test_an_answer_streams_event_by_event(browser, server, monkeypatch):
     p.close()
 
 
-def test_stop_ends_the_generation_on_the_server_within_one_step(browser, server):
+def test_stop_ends_the_generation_on_the_server_within_one_step(browser, server, monkeypatch):
+    engine = server.worker.loaded.engine
+    monkeypatch.setattr(engine, "generate", paced(engine.generate, 0.02))
     p = Page(browser, server.url + "/chat/", amend={"max_tokens": 3500, "ignore_eos": True})
     p.wait_ready()
     n_before = len(server.traces())
