@@ -229,6 +229,14 @@ def test_busy_429_and_waiting_in_line_are_shown(browser, tiny_qwen3_tied):
         b.send(request_bytes("POST", "/v1/chat/completions", chat_body(stream=True, max_tokens=3)))
         server.wait_for(lambda: server.worker.waiting == 1, what="B to queue")
 
+        p.say("Anyone?")
+        p.wait_for_selector("#log .msg.bot.busy")
+        p.keyboard.press("Escape")                  # Stop while waiting: the message was not answered, it comes back
+        p.wait_for_selector("#log .msg.user.unsent")
+        assert p.input_value("#input") == "Anyone?" and p.is_visible("#send")
+        p.focus("#new")
+        p.keyboard.press("Enter")
+
         p.say("Are you there?")
         p.wait_for_selector("#log .msg.bot.busy")
         status = p.locator("#log .msg.bot .status")
@@ -247,6 +255,7 @@ def test_busy_429_and_waiting_in_line_are_shown(browser, tiny_qwen3_tied):
         answer = p.last_answer()
         assert "6 tokens" in answer.locator(".status").inner_text()
         assert answer.get_attribute("class") == "msg bot"
+        assert [m["content"] for m in p.bodies[-1]["messages"]] == ["Are you there?"]
         p.close()
 
 
@@ -522,3 +531,25 @@ def test_real_model_output_renders_only_safe_markup(browser, server):
     assert_only_safe_markup(answer.locator(".md").evaluate(TAGS_PROBE))
     save_screenshot(p.page, "tiny-model-1920x1080")
     p.close()
+
+
+def test_a_scripted_model_thinks_then_answers(browser, scripted_qwen3):
+    """A real checkpoint whose greedy output is scripted (tests/support/scripted_model.py): with thinking on it
+    thinks "Let me check" and then writes a tool call as text (no tools were offered), which must show as text;
+    with thinking off it answers " Sunny in Paris today."."""
+    from tests.support.scripted_model import ANSWER, CALL_TEXT, THINKING
+    with LiveServer(scripted_qwen3) as server:
+        p = Page(browser, server.url + "/", amend={"temperature": 0})
+        p.wait_ready()
+        p.say("What is the weather in Paris?")
+        answer = p.last_answer()
+        assert answer.locator(".think-body").text_content() == THINKING
+        assert answer.locator(".md").inner_text() == f"<tool_call>{CALL_TEXT}</tool_call>"
+        assert answer.locator(".md *").count() == 1 and answer.locator(".md p").count() == 1
+        p.focus("#think")
+        p.keyboard.press("Space")
+        p.say("And without thinking?")
+        answer = p.last_answer()
+        assert answer.locator(".md").inner_text() == ANSWER.strip() and answer.locator("details.think").is_hidden()
+        save_screenshot(p.page, "scripted-model-1280x800")
+        p.close()

@@ -260,7 +260,7 @@
         if (t.image_tokens) p += " (" + t.image_tokens + " image)";
         parts.push(p);
       }
-      if (t.cache_n != null) parts.push(t.cache_n + " reused");
+      if (t.cache_n) parts.push(t.cache_n + " reused");
     }
     if (reason === "length") parts.push("cut at the length limit");
     return parts.join(" · ");
@@ -320,7 +320,9 @@
     follow();
     const stream = new MarkdownStream(md);
     let content = "", thinking = "", events = 0, thinkStart = 0, thought = false;
-    const wait = (text) => { status.className = "status wait"; status.textContent = text; };
+    let countdown = 0;
+    const show = (text) => { status.className = "status wait"; status.textContent = text; };
+    const wait = (text) => { clearInterval(countdown); show(text); };
     const took = (label) => {  // one more event shown
       wait(label);
       art.dataset.events = ++events;
@@ -343,8 +345,9 @@
       },
       started() { wait("Reading the prompt…"); },
       busy(status, seconds) {
-        wait((status === 429 ? "The appliance is busy with other requests" : "The model is still loading")
-          + " — trying again in " + seconds + " s…");
+        const why = status === 429 ? "The appliance is busy with other requests" : "The model is still loading";
+        wait(why + " — trying again in " + seconds + " s…");
+        countdown = setInterval(() => { if (--seconds > 0) show(why + " — trying again in " + seconds + " s…"); }, 1000);
         art.classList.add("busy");
       },
       reasoning(text) {
@@ -372,6 +375,7 @@
         art.insertBefore(e, status);
       },
       done(run) {
+        clearInterval(countdown);
         art.classList.remove("live");
         if (content) stream.finish();
         thinkBody.normalize();
@@ -472,21 +476,26 @@
     }
     S.run = null;
     const content = run.view.content;
-    if (run.failed && !content) {  // not answered: take the message back so the conversation can go on
-      S.history.splice(S.history.indexOf(message), 1);
-      userView.classList.add("unsent");
-      if (!ui.input.value && !S.attachments.length) {
-        ui.input.value = text;
-        S.attachments = images;
-        showAttachments();
-        autosize();
-      }
-    } else if (S.history.includes(message)) {
-      S.history.push({role: "assistant", content});
+    if (S.history.includes(message)) {  // (after "New chat" there is nothing to keep)
+      if ((run.failed || run.stopped) && !content && !run.view.thinking) takeBack(message, userView, text, images);
+      else S.history.push({role: "assistant", content});
     }
     run.view.done(run);
     setRunning(false);
     if (!ui.dlg.open) ui.input.focus();
+  }
+
+  /* A message that got no answer leaves the conversation (so the next one is not sent after it) and, if the
+     composer is empty, goes back into it to be sent again. */
+  function takeBack(message, userView, text, images) {
+    S.history.splice(S.history.indexOf(message), 1);
+    userView.classList.add("unsent");
+    if (!ui.input.value && !S.attachments.length) {
+      ui.input.value = text;
+      S.attachments = images;
+      showAttachments();
+      autosize();
+    }
   }
 
   function stop() {
