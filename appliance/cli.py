@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "so resident memory stays well under the file size (slower when experts repeat)")
     s.add_argument("--no-web", action="store_true",
                    help="do not serve the built-in chat page at / and /chat/ (headless deployments)")
+    s.add_argument("--max-resident", type=int, metavar="MB",
+                   help="dense models: keep at most MB MiB of the model file's weights resident, releasing a "
+                        "layer's pages after it ran (a model larger than free memory runs, slower)")
     s.add_argument("--extension-events", action="store_true",
                    help="send the chat.completion.metrics / .tokens events on every stream by default")
     s.add_argument("--image-dir", action="append", default=[], metavar="DIR",
@@ -82,7 +85,7 @@ def _positive(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for d in args.image_dir:
         if not os.path.isdir(d):
             p.error(f"--image-dir {d} is not a directory")
-    for name in ("ctx", "threads", "prefill_chunk", "max_tokens", "image_max_pixels"):
+    for name in ("ctx", "threads", "prefill_chunk", "max_tokens", "image_max_pixels", "max_resident"):
         v = getattr(args, name)
         if v is not None and v < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -120,7 +123,8 @@ def load_options(args: argparse.Namespace):
     """The load-time flags as one LoadOptions."""
     from .engine.load import LoadOptions
     return LoadOptions(context_length=args.ctx, prefill_chunk=args.prefill_chunk, threads=args.threads,
-                       moe_release_pages=args.moe_release_pages, image_max_pixels=args.image_max_pixels)
+                       moe_release_pages=args.moe_release_pages, image_max_pixels=args.image_max_pixels,
+                       max_resident_mib=args.max_resident)
 
 
 def _load(args: argparse.Namespace):

@@ -48,20 +48,37 @@ def release_pages(a: np.ndarray) -> int:
     return hi - lo
 
 
-def mapping_rss(a: np.ndarray) -> int:
-    """Resident bytes (this process's RSS) of the whole file mapping that holds array a, from
-    /proc/self/smaps; -1 where that is not available. For reports and tests."""
-    addr = a.__array_interface__["data"][0]
+def mapping_rss(*arrays: np.ndarray) -> int:
+    """Resident bytes (this process's RSS) of the file mappings that hold the given arrays (each mapping
+    counted once), from /proc/self/smaps; -1 where that is not available. For reports and tests."""
+    addrs = [a.__array_interface__["data"][0] for a in arrays]
+    total, found = 0, False
     try:
         with open("/proc/self/smaps") as f:
             inside = False
             for line in f:
-                head = line.split()[0]
+                head = line.split(maxsplit=1)[0]
                 if "-" in head and ":" not in head:
                     lo, hi = (int(x, 16) for x in head.split("-"))
-                    inside = lo <= addr < hi
+                    inside = any(lo <= addr < hi for addr in addrs)
                 elif inside and head == "Rss:":
-                    return int(line.split()[1]) * 1024
+                    total += int(line.split()[1]) * 1024
+                    found = True
     except OSError:
-        pass
-    return -1
+        return -1
+    return total if found else -1
+
+
+def resident_bytes(a: np.ndarray) -> int:
+    """Bytes of the pages under array a that are mapped into this process now (present in its page table,
+    read from /proc/self/pagemap: the same pages smaps counts as Rss, cheap to read for one range); -1 where
+    that is not available."""
+    start = a.__array_interface__["data"][0]
+    first, last = start // _PAGE, (start + max(a.nbytes, 1) - 1) // _PAGE
+    try:
+        with open("/proc/self/pagemap", "rb") as f:
+            f.seek(first * 8)
+            entries = np.frombuffer(f.read((last - first + 1) * 8), np.uint64)
+    except OSError:
+        return -1
+    return int(np.count_nonzero(entries >> np.uint64(63))) * _PAGE

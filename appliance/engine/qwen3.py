@@ -75,6 +75,7 @@ class Qwen3Model:
     layers: list[Layer]
     norm: np.ndarray
     lm_head: Callable  # (T, hidden) -> (T, vocab)
+    layer_streaming: object = None  # low-memory mode (resident.LayerStreaming): layer_done(i) after layer i
 
     def new_cache(self, max_len: int, dtype=np.float32) -> KVCache:
         c = self.config
@@ -119,17 +120,20 @@ def forward_hidden(model: Qwen3Model, h: np.ndarray, cache: KVCache, cos: np.nda
                    after_layer: Callable[[int, np.ndarray], np.ndarray] | None = None) -> np.ndarray:
     """Run every decoder layer on hidden states h (T, hidden) at the rotary angles cos/sin (T, hd/2);
     commits the T tokens to the cache and returns the final-normed hidden states (T, hidden)."""
+    done = model.layer_streaming.layer_done if model.layer_streaming is not None else None
     if after_layer is None:  # the same layers in one C call when the native library serves every weight
         from appliance.native.decoder import native_decoder
         dec = native_decoder(model)
         if dec is not None and dec.serves(cache):
-            return dec.forward_hidden(h, cache, cos, sin)
+            return dec.forward_hidden(h, cache, cos, sin, layer_done=done)
     cfg = model.config
     for i, layer in enumerate(model.layers):
         h = h + attention(cfg, layer.attn, rms_norm(h, layer.attn_norm, cfg.rms_norm_eps), cache, i, cos, sin)
         h = h + layer.mlp(rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps))
         if after_layer is not None:
             h = after_layer(i, h)
+        if done is not None:
+            done(i)
     cache.commit(h.shape[0])
     return rms_norm(h, model.norm, cfg.rms_norm_eps)
 

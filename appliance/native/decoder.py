@@ -74,6 +74,9 @@ class NativeDecoder:
         self._layers = arr
         self._model = _Model(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
                              c.head_dim, c.intermediate_size, c.rms_norm_eps, 0, ctypes.addressof(arr))
+        self._one = [_Model(1, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                            c.intermediate_size, c.rms_norm_eps, 0, ctypes.addressof(arr) + i * ctypes.sizeof(_Layer))
+                     for i in range(len(layers))]  # layer i alone (low-memory mode runs one layer per call)
         self._caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @classmethod
@@ -121,9 +124,11 @@ class NativeDecoder:
             self._caches[cache] = ptrs
         return ptrs
 
-    def forward_layers(self, h: np.ndarray, cache, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    def forward_layers(self, h: np.ndarray, cache, cos: np.ndarray, sin: np.ndarray,
+                       layer_done=None) -> np.ndarray:
         """Run every layer on h (T, hidden) at positions cache.length.. (cos/sin (T, hd/2)); writes the T new
-        keys/values into the cache (does not commit them) and returns the last layer's output (T, hidden)."""
+        keys/values into the cache (does not commit them) and returns the last layer's output (T, hidden).
+        With layer_done, one C call per layer and layer_done(i) after layer i."""
         h = np.array(h, dtype=np.float32, order="C")  # updated in place by C
         cos, sin = (np.ascontiguousarray(a, dtype=np.float32) for a in (cos, sin))
         T = h.shape[0]
@@ -131,17 +136,28 @@ class NativeDecoder:
             from appliance.engine.kv_cache import ContextLengthError
             raise ContextLengthError(f"context length {cache.max_len} exceeded")
         kp, vp = self._cache_ptrs(cache)
-        rc = kernels._lib.kq_forward(ctypes.addressof(self._model), kp, vp, cache.max_len, h.ctypes.data, T,
-                                     cache.length, cos.ctypes.data, sin.ctypes.data)
+        if layer_done is None:
+            rc = kernels._lib.kq_forward(ctypes.addressof(self._model), kp, vp, cache.max_len, h.ctypes.data, T,
+                                         cache.length, cos.ctypes.data, sin.ctypes.data)
+        else:
+            size, rc = ctypes.sizeof(_P), 0
+            for i, one in enumerate(self._one):
+                rc = kernels._lib.kq_forward(ctypes.addressof(one), ctypes.addressof(kp) + i * size,
+                                             ctypes.addressof(vp) + i * size, cache.max_len, h.ctypes.data, T,
+                                             cache.length, cos.ctypes.data, sin.ctypes.data)
+                if rc != 0:
+                    break
+                layer_done(i)
         if rc != 0:
             raise RuntimeError(f"native forward failed ({rc})")
         return h
 
-    def forward_hidden(self, h: np.ndarray, cache, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    def forward_hidden(self, h: np.ndarray, cache, cos: np.ndarray, sin: np.ndarray,
+                       layer_done=None) -> np.ndarray:
         """Drop-in for qwen3.forward_hidden(model, h, cache, cos, sin) without `after_layer`: commits the T
         tokens and returns the final-normed hidden states (T, hidden)."""
         from appliance.engine.qwen3 import rms_norm
-        h = self.forward_layers(h, cache, cos, sin)
+        h = self.forward_layers(h, cache, cos, sin, layer_done)
         cache.commit(h.shape[0])
         return rms_norm(h, self.norm, self.eps)
 
@@ -164,3 +180,8 @@ def native_decoder(model) -> "NativeDecoder | None":
     key = id(model)
     _BUILT[key] = (weakref.ref(model, lambda _r, k=key: _BUILT.pop(k, None)), dec)
     return dec
+
+
+def forget(model) -> None:
+    """Drop the NativeDecoder built for `model` (its weights changed form, e.g. low-memory mode)."""
+    _BUILT.pop(id(model), None)

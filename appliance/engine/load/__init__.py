@@ -10,10 +10,12 @@ Policies:
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field, replace
 
 DEFAULT_CONTEXT = 4096
+log = logging.getLogger("appliance")
 
 
 class ModelLoadError(Exception):
@@ -29,6 +31,7 @@ class LoadOptions:
     kv_type: str = "f32"  # KV cache element type (only "f32" today)
     moe_release_pages: bool = False  # MoE: give an expert's weight pages back to the kernel after each use
     image_max_pixels: int | None = None  # multimodal: cap on resized image pixels (lowers the model's own bound)
+    max_resident_mib: int | None = None  # dense: keep at most this many MiB of mapped weights resident (resident.py)
 
 
 @dataclass
@@ -95,12 +98,19 @@ def set_native_threads(n: int) -> int | None:
 
 
 def finish(path: str, ckpt: Checkpoint, options: LoadOptions) -> LoadedModel:
-    """The shared tail: page-release policy, context length, the Engine."""
+    """The shared tail: page-release policies, context length, the Engine."""
     from ..generate import Engine
     from ..qwen3_moe import set_release_pages
 
     if options.moe_release_pages:
         set_release_pages(ckpt.model, True)
+    if options.max_resident_mib:
+        from ..resident import ResidentBudgetError, set_max_resident
+        try:
+            plan = set_max_resident(ckpt.model, options.max_resident_mib << 20)
+        except ResidentBudgetError as e:
+            raise ModelLoadError(f"--max-resident {options.max_resident_mib}: {e}") from None
+        log.info("low-memory mode: %s", plan.describe(len(ckpt.model.layers)))
     limit = getattr(ckpt.config, "max_position_embeddings", DEFAULT_CONTEXT)
     ctx = min(options.context_length or DEFAULT_CONTEXT, limit)
     engine = Engine(ckpt.model, ckpt.tokenizer, ckpt.eos_ids, ctx, options.prefill_chunk)
