@@ -43,6 +43,7 @@ _SIGNATURES = {
     "kq_layer_norm": (None, [_P, _P, _P, _I64, _I64, ctypes.c_float, _P]),
     "kq_gelu_tanh": (None, [_P, _I64, _P]),
     "kq_self_attention": (_I, [_P, _I64, _I64, _I64, _P, _P, _P]),
+    "kq_moe_ffn": (_I, [_P, _P, _I64, _P]),
     "kq_forward": (_I, [_P, _P, _P, _I64, _P, _I64, _I64, _P, _P]),
 }
 ABI_VERSION = 1
@@ -307,3 +308,67 @@ def bound_matmul(qtype, w: np.ndarray, x8: np.ndarray | None = None):
 
 
 load()
+
+
+class _MoE(ctypes.Structure):  # src/kq.h kq_moe
+    _fields_ = [("n_experts", _I64), ("top_k", _I64), ("hidden", _I64), ("inter", _I64),
+                ("norm_topk", ctypes.c_int32), ("gate_qtype", ctypes.c_int32), ("up_qtype", ctypes.c_int32),
+                ("down_qtype", ctypes.c_int32), ("router", _P), ("gate", _P), ("up", _P), ("down", _P),
+                ("counts", _P)]
+
+
+class MoEFFN:
+    """The routed experts of one MoE layer bound once (kq_moe): `__call__(x (T, hidden)) -> (T, hidden)`.
+    gate, up, down: (qtype, per-expert arrays) with each expert's rows (out, row_bytes) or (out, in) in place
+    (slices of a stacked tensor or separate tensors). After a call, `counts` (E,) holds the tokens each expert
+    got. Twin: ops_numpy.moe_ffn."""
+
+    def __init__(self, router: np.ndarray, top_k: int, norm_topk: bool, gate, up, down):
+        self.router = np.ascontiguousarray(router, dtype=np.float32)  # (E, hidden)
+        E, D = self.router.shape
+        self._keep = [self.router]
+        ptrs, shapes = [], []
+        for qtype, mats in (gate, up, down):
+            qtype = QType(int(qtype))
+            if len(mats) != E:
+                raise ValueError(f"{len(mats)} expert matrices for {E} experts")
+            rows = []
+            for w in mats:
+                w, n = _rows(qtype, w)
+                rows.append(w)
+                shapes.append((w.shape[0], n))
+            self._keep += rows
+            ptrs.append((_P * E)(*[w.ctypes.data for w in rows]))
+        I = shapes[0][0]
+        if any(sh != (I, D) for sh in shapes[:2 * E]) or any(sh != (D, I) for sh in shapes[2 * E:]):
+            raise ValueError("expert matrices do not all have the shapes (inter, hidden) / (hidden, inter)")
+        if not 0 < top_k <= E:
+            raise ValueError("top_k must be in 1..n_experts")
+        self.counts = np.zeros(E, np.int32)
+        self.shape = (E, D, I)
+        self._ptrs = ptrs
+        self._c = _MoE(E, int(top_k), D, I, int(bool(norm_topk)), int(gate[0]), int(up[0]), int(down[0]),
+                       self.router.ctypes.data, ctypes.addressof(ptrs[0]), ctypes.addressof(ptrs[1]),
+                       ctypes.addressof(ptrs[2]), self.counts.ctypes.data)
+
+    @property
+    def address(self) -> int:
+        """The kq_moe struct's address (valid while this object lives)."""
+        return ctypes.addressof(self._c)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        x = _f32(x)
+        if x.shape[1] != self.shape[1]:
+            raise ValueError(f"input width {x.shape[1]} != hidden {self.shape[1]}")
+        out = np.empty_like(x)
+        if x.shape[0]:
+            rc = _lib.kq_moe_ffn(self.address, x.ctypes.data, x.shape[0], out.ctypes.data)
+            if rc == -2:
+                raise MemoryError("moe_ffn: out of memory")
+            if rc:
+                raise ValueError(f"moe_ffn failed ({rc})")
+        return out
+
+
+def moe_ffn(x: np.ndarray, router: np.ndarray, top_k: int, norm_topk: bool, gate, up, down) -> np.ndarray:
+    return MoEFFN(router, top_k, norm_topk, gate, up, down)(x)

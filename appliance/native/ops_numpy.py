@@ -37,3 +37,31 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, S: int) -
     p /= p.sum(axis=-1, keepdims=True)
     out = p.reshape(KV, H // KV * T, S) @ v  # (KV, rep*T, hd)
     return out.reshape(H, T, hd).transpose(1, 0, 2).astype(np.float32)
+
+
+def route(x: np.ndarray, router: np.ndarray, top_k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k experts per token and their weights: (T, k) ids and (T, k) float32 weights (softmax over all
+    experts in float32; ties go to the lower expert id)."""
+    logits = x @ router.T  # (T, E)
+    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    top = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]  # (T, k)
+    w = np.take_along_axis(probs, top, axis=-1)  # (T, k)
+    if normalize:
+        w = w / w.sum(axis=-1, keepdims=True)
+    return top, w.astype(np.float32)
+
+
+def moe_ffn(x: np.ndarray, router: np.ndarray, top_k: int, norm_topk: bool, gate, up, down) -> np.ndarray:
+    """Routed experts (kernels.moe_ffn's twin): gate/up/down are (qtype, per-expert matrices); each used expert
+    runs once over its tokens, the outputs are added in ascending expert order."""
+    from .twins import matmul
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    top, w = route(x, router, top_k, norm_topk)
+    out = np.zeros_like(x)  # (T, hidden)
+    for e in np.unique(top):
+        rows, slot = np.nonzero(top == e)  # tokens routed to expert e
+        xe = x[rows]
+        g, u = matmul(gate[0], gate[1][e], xe), matmul(up[0], up[1][e], xe)  # (t, inter)
+        out[rows] += matmul(down[0], down[1][e], swiglu(g, u)) * w[rows, slot][:, None]
+    return out

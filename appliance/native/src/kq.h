@@ -55,6 +55,16 @@ void kq_rope(float *x, int64_t T, int64_t nh, int64_t hd, const float *cos, cons
 void kq_swiglu(const float *g, const float *u, int64_t n, float *out);
 void kq_attention(const float *q, const float *kc, const float *vc, int64_t max_len, int64_t T, int64_t S,
                   int64_t H, int64_t KV, int64_t hd, float *out);
+/* the routed experts of a mixture-of-experts MLP (moe.c): per-expert row pointers, read in place */
+typedef struct {
+    int64_t n_experts, top_k, hidden, inter;
+    int32_t norm_topk, gate_qtype, up_qtype, down_qtype;
+    const float *router;                                       /* (n_experts, hidden) */
+    const uint8_t *const *gate, *const *up, *const *down;      /* per expert: (inter, hidden) x2, (hidden, inter) */
+    int32_t *counts;                                           /* out, may be NULL: tokens per expert last call */
+} kq_moe;
+int kq_moe_ffn(const kq_moe *m, const float *x, int64_t T, float *out);
+
 /* vision tower operations (vision.c) */
 void kq_layer_norm(const float *x, const float *w, const float *b, int64_t T, int64_t n, float eps, float *out);
 void kq_gelu_tanh(const float *x, int64_t n, float *out);
@@ -86,6 +96,12 @@ typedef void (*kq_x8_fn)(int qtype, const uint8_t *grp, int64_t nb, const kq_act
 typedef void (*kq_quant32_fn)(const float *x, int64_t T, int64_t n, kq_act32 *out);
 typedef void (*kq_x8k_fn)(const uint8_t *grp, int64_t nb, const kq_act256 *act, int64_t T, float *out, int64_t ldo,
                           int64_t r0, int nr);
+/* the row-layout tile kernel of a qtype (NULL if none) and the activation rows it reads; kq_prepare_act turns
+ * float rows x (T, n) into them (float copy, act32 or act256 blocks; the pool helps with large T * n) */
+enum { KQ_ACT_F32 = 0, KQ_ACT_Q32 = 1, KQ_ACT_Q256 = 2 };
+kq_tile_fn kq_tile_kernel(int qtype, int *act_kind);
+size_t kq_act_row_bytes(int act_kind, int64_t n);
+void kq_prepare_act(int act_kind, const float *x, int64_t T, int64_t n, void *out);
 typedef struct { kq_tile_fn q8_0, q4_0, q4_1, q4_K, q6_K, f32, f16, bf16; kq_x8_fn x8; kq_quant32_fn quant32; kq_x8k_fn x8k, x8q6; } kq_kernels;
 #define KQ_Q6K_X8_BYTES 1680 /* one Q6_K super-block of 8 rows in the x8 layout */
 void kq_x8q6_group_scalar(const uint8_t *grp, int64_t nb, const kq_act256 *act, int64_t T, float *out,

@@ -352,6 +352,31 @@ static int matmul_x8(int qtype, const uint8_t *w, int64_t rows, int64_t n, const
     return 0;
 }
 
+kq_tile_fn kq_tile_kernel(int qtype, int *act_kind) {
+    detect();
+    switch (qtype) {
+    case KQ_F32: *act_kind = KQ_ACT_F32; return K.f32;
+    case KQ_F16: *act_kind = KQ_ACT_F32; return K.f16;
+    case KQ_BF16: *act_kind = KQ_ACT_F32; return K.bf16;
+    case KQ_Q8_0: *act_kind = KQ_ACT_Q32; return K.q8_0;
+    case KQ_Q4_0: *act_kind = KQ_ACT_Q32; return K.q4_0;
+    case KQ_Q4_1: *act_kind = KQ_ACT_Q32; return K.q4_1;
+    case KQ_Q4_K: *act_kind = KQ_ACT_Q256; return K.q4_K;
+    case KQ_Q6_K: *act_kind = KQ_ACT_Q256; return K.q6_K;
+    default: return NULL;
+    }
+}
+
+size_t kq_act_row_bytes(int act_kind, int64_t n) {
+    return act_kind == KQ_ACT_Q32 ? (size_t)(n / 32) * sizeof(kq_act32)
+         : act_kind == KQ_ACT_Q256 ? (size_t)(n / 256) * sizeof(kq_act256) : (size_t)n * sizeof(float);
+}
+
+void kq_prepare_act(int act_kind, const float *x, int64_t T, int64_t n, void *out) {
+    if (act_kind == KQ_ACT_F32) memcpy(out, x, (size_t)(T * n) * sizeof(float));
+    else quantize_act(x, T, n, out, act_kind == KQ_ACT_Q256);
+}
+
 int kq_matmul(int qtype, const uint8_t *w, int64_t rows, int64_t n, const float *x, int64_t T, float *out) {
     detect();
     if (qtype & KQ_X8) return matmul_x8(qtype & ~KQ_X8, w, rows, n, x, T, out);
