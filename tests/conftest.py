@@ -72,3 +72,17 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("-", f"chat page screenshots in {os.path.dirname(SCREENSHOTS[0])}")
         for path in SCREENSHOTS:
             terminalreporter.write_line(path)
+
+
+@pytest.fixture
+def native_lib():
+    """The C library, required (KESTREL_NATIVE=0 opts out: the test is skipped); the default thread plan is
+    restored afterwards."""
+    import os
+
+    from appliance.native import kernels
+    if os.environ.get("KESTREL_NATIVE") == "0":
+        pytest.skip("native kernels disabled by KESTREL_NATIVE=0")
+    assert kernels.available(), kernels.load_error
+    yield kernels
+    kernels.configure_threads()

@@ -1,8 +1,6 @@
 """The routed experts in one native call (src/moe.c kq_moe_ffn) equal their numpy twin (ops_numpy.moe_ffn) for
 the stored expert types, stacked or separate, at decode and prefill sizes and thread counts; a decode token
 reads exactly top_k experts (counts)."""
-import os
-
 import numpy as np
 import pytest
 
@@ -10,15 +8,7 @@ from appliance.native import kernels, ops_numpy
 from appliance.native.qtypes import QType
 from tests.support.ggml_blocks import random_weight
 
-if os.environ.get("KESTREL_NATIVE") == "0":
-    pytest.skip("native kernels disabled by KESTREL_NATIVE=0", allow_module_level=True)
-
-
-@pytest.fixture(autouse=True)
-def lib():
-    assert kernels.available(), kernels.load_error
-    yield
-    kernels.configure_threads()
+pytestmark = pytest.mark.usefixtures("native_lib")
 
 
 def experts(qtype, E, rows, n, rng, stacked=True):

@@ -1,8 +1,6 @@
 """The vision tower's C operations (native/src/vision.c) equal their numpy twins (engine/vision.py), and a
 whole vision block run natively (BF16 weights read in place, C LayerNorm/GELU/attention) equals the numpy block
 over the same weights widened to float32. Float tolerance: the C sums run in another order."""
-import os
-
 import numpy as np
 import pytest
 
@@ -11,15 +9,7 @@ from appliance.engine.quant_weights import half_weight
 from appliance.engine.weights import DenseWeight
 from appliance.native import kernels
 
-if os.environ.get("KESTREL_NATIVE") == "0":
-    pytest.skip("native kernels disabled by KESTREL_NATIVE=0", allow_module_level=True)
-
-
-@pytest.fixture(autouse=True)
-def threads():
-    assert kernels.available(), kernels.load_error
-    yield
-    kernels.configure_threads()
+pytestmark = pytest.mark.usefixtures("native_lib")
 
 
 def rope_for(n: int, hd: int):

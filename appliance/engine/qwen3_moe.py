@@ -4,7 +4,10 @@ Policy: a token's router softmax runs over all experts (float32), the top `num_e
 with `norm_topk_prob`, renormalised. Only the selected experts are computed: decode reads num_experts_per_tok
 experts per layer; prefill groups the chunk's tokens by expert so each selected expert's weights are read once
 per chunk. Expert weights stay memory-mapped (BF16/F16 widened per use, quantized ones read in place), and
-ExpertLoadStats records which experts a request read. Layers listed in `mlp_only_layers`, or not on the
+ExpertLoadStats records which experts a request read. A layer's experts are one `Experts` object (the three
+stacked matrices as per-expert weights); with the C library all routed experts of a call run in one native call
+(native/src/moe.c: routing, grouping per expert, threaded across experts and rows), otherwise the numpy loop
+below, its twin. Layers listed in `mlp_only_layers`, or not on the
 `decoder_sparse_step`, use the dense SwiGLU MLP.
 """
 from __future__ import annotations
@@ -13,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
+
+from appliance.native.ops_numpy import route
 
 from .page_release import release_pages
 from .qwen3 import SwiGLU
@@ -56,25 +61,69 @@ class ExpertLoadStats:
         return len(self.touched)
 
 
-def route(x: np.ndarray, router: np.ndarray, top_k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Top-k experts per token and their weights: (T, k) ids and (T, k) float32 weights."""
-    logits = x @ router.T  # (T, E)
-    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    probs /= probs.sum(axis=-1, keepdims=True)
-    top = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]  # (T, k)
-    w = np.take_along_axis(probs, top, axis=-1)  # (T, k)
-    if normalize:
-        w = w / w.sum(axis=-1, keepdims=True)
-    return top, w.astype(np.float32)
+class Experts:
+    """The experts of one MoE layer: gate/up (inter, hidden) and down (hidden, inter) weights per expert, left
+    in the file's mapping. Indexing gives expert e as a SwiGLU over its three weights."""
+
+    def __init__(self, gates: Sequence, ups: Sequence, downs: Sequence):
+        if not len(gates) == len(ups) == len(downs):
+            raise ValueError("gate, up and down need one weight per expert each")
+        self.gates, self.ups, self.downs = list(gates), list(ups), list(downs)
+        self._swiglus = [SwiGLU(g, u, d) for g, u, d in zip(self.gates, self.ups, self.downs)]
+
+    def __len__(self) -> int:
+        return len(self._swiglus)
+
+    def __getitem__(self, e):
+        return self._swiglus[e]
+
+    def __iter__(self):
+        return iter(self._swiglus)
+
+    def native(self, router: np.ndarray, top_k: int, norm_topk: bool):
+        """The routed experts bound for one native call (kernels.MoEFFN), or None when the library is missing
+        or a matrix is not one the C side reads in place (the numpy loop serves then)."""
+        from appliance.native import kernels
+        from appliance.native.decoder import native_linear
+        if not kernels.available():
+            return None
+        kinds = []
+        for mats in (self.gates, self.ups, self.downs):
+            served = [native_linear(w) for w in mats]
+            if any(s is None or int(s[0]) & kernels.X8 for s in served) or len({int(s[0]) for s in served}) != 1:
+                return None
+            kinds.append((int(served[0][0]), [s[1] for s in served]))
+        try:
+            return kernels.MoEFFN(router, top_k, norm_topk, *kinds)
+        except ValueError:
+            return None
 
 
 class SparseMoE:
-    def __init__(self, layer: int, router: np.ndarray, experts: Sequence[Callable], cfg: MoEConfig,
+    def __init__(self, layer: int, router: np.ndarray, experts: Experts, cfg: MoEConfig,
                  stats: ExpertLoadStats, release_pages: bool = False):
+        if not isinstance(experts, Experts):
+            raise TypeError("experts must be an Experts object")
         self.layer, self.router, self.experts, self.cfg, self.stats = layer, router, experts, cfg, stats
         self.release_pages = release_pages  # madvise an expert's weight pages away after each use
+        # chosen once at load: one native call per forward for all routed experts, or the numpy loop
+        self.native = experts.native(router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+
+    def record(self, counts: np.ndarray, tokens: int) -> None:
+        """Account one call whose experts got `counts` (E,) tokens (the native path's counts)."""
+        used = np.nonzero(counts)[0]
+        self.stats.touched.update((self.layer, int(e)) for e in used)
+        self.stats.expert_calls += len(used)
+        self.stats.routed_tokens += tokens
+        if self.release_pages:
+            for e in used:
+                release_expert(self.experts[e])
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        if self.native is not None:
+            out = self.native(x)  # (T, hidden)
+            self.record(self.native.counts, x.shape[0])
+            return out
         top, w = route(x, self.router, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)  # (T, k)
         out = np.zeros_like(x)  # (T, hidden)
         for e in np.unique(top):

@@ -27,7 +27,7 @@ import numpy as np
 
 from .. import qwen3
 from ..config import Qwen3Config
-from ..qwen3_moe import ExpertLoadStats, MoEConfig, SparseMoE
+from ..qwen3_moe import ExpertLoadStats, Experts, MoEConfig, SparseMoE
 from ..quant_weights import QuantWeight
 from ..weights import DenseWeight
 from . import Checkpoint, LoadOptions, ModelLoadError
@@ -211,8 +211,7 @@ def moe_mlp(f, layer: int, stats: ExpertLoadStats, moe: MoEConfig):
     router = f.matrix(p + "ffn_gate_inp.weight")
     router = router.w if isinstance(router, DenseWeight) else router.dequantize()  # (E, hidden) float32
     gates, ups, downs = (expert_slices(f.tensors[p + f"ffn_{k}_exps.weight"]) for k in ("gate", "up", "down"))
-    experts = [qwen3.SwiGLU(g, u, d) for g, u, d in zip(gates, ups, downs)]
-    return SparseMoE(layer, router, experts, moe, stats)
+    return SparseMoE(layer, router, Experts(gates, ups, downs), moe, stats)
 
 
 def default_sampling(meta: dict[str, Any]) -> dict:

@@ -18,7 +18,7 @@ import numpy as np
 from .. import qwen3
 from ..config import Qwen3Config, UnsupportedModelError
 from ..image_processing import ImageProcessor
-from ..qwen3_moe import ExpertLoadStats, MoEConfig, SparseMoE
+from ..qwen3_moe import ExpertLoadStats, Experts, MoEConfig, SparseMoE
 from ..qwen3_vl import Qwen3VLModel
 from ..quant_weights import half_weight
 from ..safetensors import SafeTensors, SafetensorsError, to_float32
@@ -129,19 +129,18 @@ def build_qwen3(st: SafeTensors, cfg_dict: dict, options: LoadOptions = LoadOpti
     return cfg, build_decoder(st, cfg, lambda i, p: dense_mlp(st, p))
 
 
-def hf_experts(st: SafeTensors, prefix: str, n: int) -> list[qwen3.SwiGLU]:
+def hf_experts(st: SafeTensors, prefix: str, n: int) -> Experts:
     """Per-expert tensors (`experts.{j}.gate_proj.weight`, as published) or transformers-5 fused ones
     (`experts.gate_up_proj` (E, 2I, H), `experts.down_proj` (E, H, I))."""
     if prefix + "experts.gate_up_proj" in st:
         gu, gu_dt = st.raw(prefix + "experts.gate_up_proj")
         dn, dn_dt = st.raw(prefix + "experts.down_proj")
         half = gu.shape[1] // 2
-        return [qwen3.SwiGLU(expert_weight(np.ascontiguousarray(gu[j, :half]), gu_dt),
-                             expert_weight(np.ascontiguousarray(gu[j, half:]), gu_dt), expert_weight(dn[j], dn_dt))
-                for j in range(n)]
-    return [qwen3.SwiGLU(*(expert_weight(*st.raw(f"{prefix}experts.{j}.{k}_proj.weight"))
-                           for k in ("gate", "up", "down")))
-            for j in range(n)]
+        return Experts([expert_weight(gu[j, :half], gu_dt) for j in range(n)],  # row slices stay contiguous
+                       [expert_weight(gu[j, half:], gu_dt) for j in range(n)],
+                       [expert_weight(dn[j], dn_dt) for j in range(n)])
+    return Experts(*([expert_weight(*st.raw(f"{prefix}experts.{j}.{k}_proj.weight")) for j in range(n)]
+                     for k in ("gate", "up", "down")))
 
 
 def build_qwen3_moe(st: SafeTensors, cfg_dict: dict, options: LoadOptions = LoadOptions()):
