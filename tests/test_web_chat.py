@@ -44,8 +44,10 @@ class Page:
     """A browser page on the chat, with the console watched (a CSP violation or a script error fails the test)
     and the page's own chat requests recorded (and optionally amended)."""
 
-    def __init__(self, browser, url: str, width=1280, height=800, scheme="light", amend=None, canned=None):
-        self.context = browser.new_context(viewport={"width": width, "height": height}, color_scheme=scheme)
+    def __init__(self, browser, url: str, width=1280, height=800, scheme="light", amend=None, canned=None,
+                 touch=False):
+        self.context = browser.new_context(viewport={"width": width, "height": height}, color_scheme=scheme,
+                                           has_touch=touch)
         self.page = self.context.new_page()
         self.problems: list[str] = []
         self.bodies: list[dict] = []
@@ -494,12 +496,27 @@ RICH = ["Sure. Here is how to **check the board's temperature**:\n\n",
 def test_kiosk_sizes_and_screenshots(browser, server, width, height, scheme):
     timings = {"prompt_n": 64, "predicted_n": 71, "ttft_ms": 412.0, "predicted_per_second": 18.4, "cache_n": 48}
     p = Page(browser, server.url + "/", width=width, height=height, scheme=scheme,
-             canned=[canned_answer(["The user wants the SoC temperature. ", "Thermal zones are in sysfs."], RICH, timings)])
+             canned=[canned_answer(["The user wants the SoC temperature. ", "Thermal zones are in sysfs."], RICH, timings)],
+             touch=width <= 800)
     p.wait_ready()
     save_screenshot(p.page, f"empty-{width}x{height}-{scheme}")
-    p.say("How hot is the board?")
-    answer = p.last_answer()
+    if width <= 800:   # a touch panel: tap the field, type, tap Send
+        p.tap("#input")
+        p.keyboard.type("How hot is the board?")
+        p.tap("#send")
+        answer = p.last_answer()
+    else:
+        p.say("How hot is the board?")
+        answer = p.last_answer()
     assert "TTFT 412 ms · 18.4 tok/s · 71 tokens · prompt 64 · 48 reused" == answer.locator(".status").inner_text()
+    # the view followed the answer to its end (the first screenshot shows its top)
+    p.wait_for_function("() => { const l = document.getElementById('log'); "
+                        "return l.scrollHeight - l.scrollTop - l.clientHeight < 2; }", timeout=5000)
+    if width <= 800:   # the thinking block opens and shuts by touch
+        p.tap("details.think summary")
+        assert answer.locator("details.think").evaluate("d => d.open")
+        p.tap("details.think summary")
+        assert not answer.locator("details.think").evaluate("d => d.open")
     p.evaluate("document.getElementById('log').scrollTop = 0")
     save_screenshot(p.page, f"chat-{width}x{height}-{scheme}")
     # fits: no sideways scrolling, the composer and the header are on screen

@@ -225,7 +225,16 @@
   ui.log.addEventListener("scroll", () => {
     stick = ui.log.scrollHeight - ui.log.scrollTop - ui.log.clientHeight < 40;
   });
-  const follow = () => { if (stick) ui.log.scrollTop = ui.log.scrollHeight; };
+  // once per frame: reading scrollHeight lays the page out, which per token would grow with the answer
+  let following = false;
+  const follow = () => {
+    if (following) return;
+    following = true;
+    requestAnimationFrame(() => {
+      following = false;
+      if (stick) ui.log.scrollTop = ui.log.scrollHeight;
+    });
+  };
 
   function addUser(text, images) {
     ui.empty.hidden = true;
