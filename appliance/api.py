@@ -32,6 +32,7 @@ from typing import Any, Awaitable, Callable
 
 import trio
 
+from .engine.constraint import GrammarError, constraint_for
 from .engine.image_processing import ImageError
 from . import web
 from .generation import Generation
@@ -234,18 +235,20 @@ class Api:
     async def chat(self, ex: Exchange) -> None:
         loaded = self.loaded()
         body = await ex.read_body()
-        req, prompt, ids = await off_loop(lambda stop: self._prepare_chat(loaded, body), self._prep_limiter)
+        req, prompt, ids, constraint = await off_loop(lambda stop: self._prepare_chat(loaded, body),
+                                                      self._prep_limiter)
         out = ChatAssembler.for_request(req, model=self.cfg.model_name, created=int(time.time()),
                                         in_reasoning=prompt_ends_in_reasoning(prompt))
-        await self.generate_chat(ex, loaded, req, ids, out, len(body))
+        await self.generate_chat(ex, loaded, req, ids, out, len(body), constraint)
 
     async def prepare(self, fn: Callable[[], Any]) -> Any:
         """Run a request's preparation (parsing, template, tokenizer) in a worker thread, off the event loop."""
         return await off_loop(lambda stop: fn(), self._prep_limiter)
 
     async def generate_chat(self, ex: Exchange, loaded: Any, req: Any, ids: list[int], out: Any,
-                            body_size: int) -> None:
-        """A prepared chat-shaped request (any API's) through admission, its images, and the engine."""
+                            body_size: int, constraint: Any = None) -> None:
+        """A prepared chat-shaped request (any API's) through admission, its images, and the engine
+        (`constraint`: its compiled output format, from compile_constraint)."""
         t_arrival = time.perf_counter()
         ticket = self.admit()
         urls = image_urls(req.messages)
@@ -258,14 +261,26 @@ class Api:
                 raise
         else:
             images = ()
-        await Generation(self, loaded, ids, req, out, images).run(ex, ticket, t_arrival)
+        await Generation(self, loaded, ids, req, out, images, constraint=constraint).run(ex, ticket, t_arrival)
 
     def _prepare_chat(self, loaded: Any, body: bytes):
-        """Worker thread: body -> (request, prompt text, prompt ids); ApiError for anything wrong."""
+        """Worker thread: body -> (request, prompt text, prompt ids, constraint); ApiError for anything wrong."""
         req = parse_chat_request(body, defaults=loaded.default_sampling, context_length=loaded.context_length,
                                  images_supported=loaded.multimodal, stream_extensions=self.cfg.extension_events)
         prompt, ids = self.render_prompt(loaded, req, len(body))
-        return req, prompt, ids
+        param = "tools" if req.tool_choice in ("required", "function") else "response_format"
+        return req, prompt, ids, self.compile_constraint(loaded, req.output_format, param)
+
+    def compile_constraint(self, loaded: Any, fmt: Any, param: str) -> Any:
+        """Worker thread: the compiled constraint of an OutputFormat (None: unconstrained); a grammar llguidance
+        refuses is a 400 on `param` with its reason. Bounded by llguidance's limits; the first call also builds
+        the tokenizer's table (~1-3 s for a 150k vocabulary)."""
+        if fmt is None:
+            return None
+        try:
+            return constraint_for(fmt, loaded.tokenizer, loaded.engine.model.config.vocab_size, loaded.eos_ids)
+        except GrammarError as e:
+            raise ApiError(400, f"Invalid schema for '{param}': {e}", param=param, code="invalid_schema") from None
 
     def render_prompt(self, loaded: Any, req: Any, body_size: int, check: bool = True) -> tuple[str, list[int]]:
         """Worker thread: a ChatRequest's prompt text and ids (the context is checked here unless the request

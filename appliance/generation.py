@@ -42,7 +42,7 @@ def split_events(blob: bytes) -> list[bytes]:
 
 class Generation:
     def __init__(self, api: Any, loaded: Any, prompt_ids: list[int], req: Any,
-                 assembler: Any, images: tuple = ()):
+                 assembler: Any, images: tuple = (), constraint: Any = None):
         self.api = api
         self.req = req
         self.prompt_ids = prompt_ids
@@ -52,7 +52,8 @@ class Generation:
         self._send_lock = trio.Lock()
         self._keepalive_scope = trio.CancelScope()
         self.request = GenerationRequest(prompt_ids=prompt_ids, sampling=req.sampling, max_tokens=req.max_tokens,
-                                         stop=tuple(req.stop), ignore_eos=req.ignore_eos, images=tuple(images))
+                                         stop=tuple(req.stop), ignore_eos=req.ignore_eos, images=tuple(images),
+                                         constraint=constraint)
 
     def _logprob(self, ev: TokenEvent):
         return entry_from_engine(ev.logprob, self._token_bytes) if ev.logprob is not None else None

@@ -7,6 +7,7 @@ import json
 
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from appliance.protocol.assemble import ChatAssembler, CompletionAssembler
 from appliance.protocol.chunks import ChatChunks, CompletionChunks
@@ -88,8 +89,8 @@ def test_tool_call_stream_and_response_match():
     evs = [e for e in evs if e]
     deltas = [e[0]["choices"][0]["delta"] for e in evs]
     assert deltas == [{"reasoning_content": "need weather"},
-                      {"tool_calls": [{"index": 0, "id": "call_0", "type": "function",
-                                       "function": {"name": "w", "arguments": "{\"c\": 1}"}}]},
+                      {"tool_calls": [{"index": 0, "id": "call_0", "type": "function",    # announced with the
+                                       "function": {"name": "w", "arguments": "{\"c\": 1}"}}]},   # token of `{`
                       {"tool_calls": [{"index": 1, "id": "call_1", "type": "function",
                                        "function": {"name": "v", "arguments": "{}"}}]}]
     for e in evs:
@@ -184,7 +185,11 @@ def test_round_trip_through_the_real_template_and_tokenizer(hf_tokenizer):
             chunks = [ChatCompletionChunk.model_validate(e) for e in evs[:-1]]
             reasoning = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks)
             content = "".join(c.choices[0].delta.content or "" for c in chunks)
-            calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+            state = ChatCompletionStreamState()          # the openai client's own accumulation
+            for chunk in chunks:
+                state.handle_chunk(chunk)
+            calls = state.get_final_completion().choices[0].message.tool_calls
+            assert len([tc for c in chunks for tc in (c.choices[0].delta.tool_calls or []) if tc.id]) == 1
             finish = chunks[-1].choices[0].finish_reason
         else:
             c = ChatCompletion.model_validate(a.response("stop", "", STATS))

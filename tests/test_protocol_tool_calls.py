@@ -12,13 +12,16 @@ def ids():
 
 
 def run(chunks):
+    """Each push's pieces without the ("done", call) markers; those are checked to come once per call, in order."""
     p = ToolCallParser(ids())
     steps = [p.push(c) for c in chunks] + [p.flush()]
-    return steps, p
+    done = [v for s in steps for k, v in s if k == "done"]
+    assert done == p.calls and all(a is b for a, b in zip(done, p.calls))
+    return [[x for x in s if x[0] != "done"] for s in steps], p
 
 
-def call(i, name, args):
-    return ("tool_call", {"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": args}})
+def call(i, name, args=""):
+    return ("call", {"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": args}})
 
 
 def test_plain_content_untouched_including_trailing_newlines():
@@ -27,15 +30,35 @@ def test_plain_content_untouched_including_trailing_newlines():
     assert p.calls == []
 
 
-def test_qwen3_call_split_over_tokens():
+def test_qwen3_call_streams_its_arguments_as_they_decode():
     toks = ["I'll check.", "\n", "<tool", "_call>", "\n{\"name\": \"get_weather\", ", "\"arguments\": {\"city\": ",
-            "\"Paris 巴黎\"}}", "\n</tool_call>", "\n<tool_call>\n{\"name\": \"t\", \"arguments\": \"{}\"}\n",
+            "\"Paris 巴黎\"}", "}", "\n</tool_call>", "\n<tool_call>\n{\"name\": \"t\", \"arguments\": \"{}\"}\n",
             "</tool_call>", "\n"]
     steps, p = run(toks)
-    assert steps == [[("content", "I'll check.")], [], [], [], [], [], [], [call(0, "get_weather",
-                                                                             '{"city": "Paris 巴黎"}')],
-                     [], [call(1, "t", "{}")], [], []]
-    assert [c["function"]["name"] for c in p.calls] == ["get_weather", "t"]
+    assert steps == [[("content", "I'll check.")], [], [], [], [],
+                     [call(0, "get_weather"), ("args", '{"city":')],     # announced at `"arguments": {`
+                     [("args", ' "Paris 巴黎"')],                           # `}` held: it may close the block
+                     [("args", "}")],                                     # the second `}` closes the block
+                     [], [], [call(1, "t"), ("args", "{}")], [], []]      # a string argument: whole at the end
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in p.calls] == \
+        [("get_weather", '{"city": "Paris 巴黎"}'), ("t", "{}")]
+
+
+def test_fragments_join_to_the_arguments_for_every_split():
+    text = 'ok<tool_call>\n{"name": "f", "arguments": {"a": {"b": [1, "}"]}, "c": " "}}\n</tool_call>'
+    for cut in range(1, len(text)):
+        for cut2 in (cut, min(cut + 7, len(text))):
+            steps, p = run([text[:cut], text[cut:cut2], text[cut2:]])
+            pieces = [x for s in steps for x in s]
+            assert "".join(v for k, v in pieces if k == "content") == "ok"
+            assert "".join(v for k, v in pieces if k == "args") == '{"a": {"b": [1, "}"]}, "c": " "}'
+            assert p.calls[0]["function"]["arguments"] == '{"a": {"b": [1, "}"]}, "c": " "}'
+
+
+def test_announced_call_cut_off_keeps_its_partial_arguments():
+    steps, p = run(['<tool_call>\n{"name": "f", "arguments": {"a": 1', ', "b"'])
+    assert [x for s in steps for x in s] == [call(0, "f"), ("args", '{"a": 1'), ("args", ', "b"')]
+    assert p.calls[0]["function"]["arguments"] == '{"a": 1, "b"'
 
 
 def test_invalid_block_is_content():
@@ -53,5 +76,5 @@ def test_unterminated_block_is_flushed_as_content():
 
 def test_false_partial_tag_and_content_after_a_call():
     steps, p = run(["a<to", "p>", "<tool_call>{\"name\":\"f\"}</tool_call>", "\n\nDone."])
-    assert steps == [[("content", "a")], [("content", "<top>")], [call(0, "f", "{}")], [("content", "\n\nDone.")],
-                     []]
+    assert steps == [[("content", "a")], [("content", "<top>")], [call(0, "f"), ("args", "{}")],
+                     [("content", "\n\nDone.")], []]

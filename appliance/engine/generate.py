@@ -11,12 +11,14 @@ Policies:
   --cache-ram budget, only their used positions), and prefills the rest; the last prompt token always runs.
   The active sequence is copied into the store before a request would overwrite part of it. An engine error
   drops the active sequence.
+- A request's constraint (a grammar) masks every sampling step and ends the generation as soon as the grammar
+  is complete.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 
@@ -42,6 +44,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     images: tuple = ()  # PixelPatches, one per image-pad run of prompt_ids, in order (models with `multimodal`)
+    constraint: Any = None  # constraint.CompiledGrammar: its start() masks each step (structured output)
 
 
 @dataclass
@@ -197,6 +200,7 @@ class Engine:
         t0 = time.perf_counter()
         timings = Timings()
         sampler = Sampler(req.sampling, self.model.config.vocab_size)
+        constraint = req.constraint.start() if req.constraint is not None else None
         detok = IncrementalDetokenizer(self.tokenizer)
         stops = StopMatcher(list(req.stop))
         generated: list[int] = []
@@ -226,7 +230,10 @@ class Engine:
             return
         t_step = time.perf_counter()
         while True:
-            token, lp = sampler.sample(logits, req.prompt_ids, generated)
+            allowed = constraint.allowed() if constraint is not None else None
+            token, lp = sampler.sample(logits, req.prompt_ids, generated, allowed)
+            if constraint is not None:
+                constraint.accept(token)
             generated.append(token)
             if len(generated) == 1:
                 timings.ttft_ms = _ms(t0)
@@ -240,6 +247,9 @@ class Engine:
             yield TokenEvent(token, released, lp)
             if stopped:
                 yield finish("stop")
+                return
+            if constraint is not None and constraint.finished:
+                yield finish("stop", _drain(detok, stops))
                 return
             if len(generated) >= budget:
                 yield finish("length", _drain(detok, stops))

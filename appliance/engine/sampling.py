@@ -241,17 +241,30 @@ class Sampler:
         return ids, w
 
     # -- the step --------------------------------------------------------------------------------------------
-    def sample(self, logits: np.ndarray, prompt_ids: Sequence[int],
-               generated_ids: Sequence[int]) -> tuple[int, TokenLogprob | None]:
+    def sample(self, logits: np.ndarray, prompt_ids: Sequence[int], generated_ids: Sequence[int],
+               allowed: np.ndarray | None = None) -> tuple[int, TokenLogprob | None]:
+        """The next token; `allowed` (V,) bool restricts it to a grammar's tokens (constrained decoding).
+
+        With a mask the filters run over the allowed tokens only: a masked token has probability 0, so top-k,
+        top-p, min-p and the draw over the renormalized rest are the same as over the masked (V,) logits, and
+        the only copy is of the allowed entries. Logprobs stay those of the raw logits."""
         if logits.shape != (self.vocab_size,):
             raise ValueError(f"logits shape {logits.shape} != ({self.vocab_size},)")
         penalized = self.apply_penalties(logits, prompt_ids, generated_ids)
+        sub_ids = None
+        if allowed is not None:
+            sub_ids = np.flatnonzero(allowed)                     # (n,) ascending
+            if sub_ids.size == 0:
+                raise ValueError("the constraint allows no token")
+            penalized = penalized[sub_ids]                        # (n,) the one copy of the logits
         if self.params.greedy:
             token = int(np.argmax(penalized))                      # first maximum = lowest id
         else:
             ids, w = self._filter(penalized)
             i = _draw(w, self._rng.random())
             token = i if ids is None else int(ids[i])
+        if sub_ids is not None:
+            token = int(sub_ids[token])
         return token, (self.logprob(logits, token) if self.params.logprobs else None)
 
     def logprob(self, logits: np.ndarray, token: int) -> TokenLogprob:

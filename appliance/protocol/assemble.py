@@ -7,6 +7,8 @@ Policies:
   a partial tag, a tool-call block) sends nothing, and its logprob rides on the next event that does.
 - After the last token: any released tail, the finish chunk (with timings), then usage / metrics / tokens when
   asked, then [DONE]. finish_reason becomes "tool_calls" when the model stopped after calling tools.
+- Tool calls stream as OpenAI's do (OutputRouter.deltas): the first delta of a call has index, id, type and
+  function.name, later ones index and function.arguments fragments.
 """
 from __future__ import annotations
 
@@ -84,11 +86,10 @@ class ChatAssembler(_Tail):
         if logprob is not None and self._logprobs:
             self._pending_lp.append(logprob)
             self.logprob_entries.append(logprob)
-        r, c, calls = routed
-        if not (r or c or calls or (final and self._pending_lp)):
+        r, c, _ = routed
+        deltas = self.router.deltas or None
+        if not (r or c or deltas or (final and self._pending_lp)):
             return b""
-        n0 = len(self.calls) - len(calls)
-        deltas = [{"index": n0 + i, **call} for i, call in enumerate(calls)] or None
         lp = self._pending_lp if self._logprobs else None
         self._pending_lp = []
         return sse_event(self.chunks.delta(content=c or None, reasoning_content=r or None, logprobs=lp,

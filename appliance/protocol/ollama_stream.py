@@ -135,8 +135,8 @@ class OllamaChatAssembler(_OllamaAssembler):
         if reasoning:
             msg["thinking"] = reasoning
         if calls:
-            n0 = len(self.router.calls) - len(calls)     # the new calls are the last ones
-            msg["tool_calls"] = [ollama_tool_call(c, n0 + i) for i, c in enumerate(calls)]
+            every = self.router.calls                     # a completed call's index: its place among all
+            msg["tool_calls"] = [ollama_tool_call(c, next(i for i, x in enumerate(every) if x is c)) for c in calls]
         return {"message": msg}
 
 

@@ -7,8 +7,11 @@ Policies:
   SamplingParams; its SamplingParamError becomes a 400 with the same param. top_k = -1 means off (vLLM's
   spelling) and becomes 0 (ours).
 - What we cannot honour is a clear 400, not silently ignored: n > 1, best_of > 1, non-empty logit_bias,
-  response_format other than text, tool_choice forcing a call (no constrained decoding), echo with logprobs,
-  suffix, several prompts in one request.
+  echo with logprobs, suffix, several prompts in one request.
+- response_format json_object / json_schema and a forced tool_choice become `output_format` (constrained
+  decoding, protocol/structured.py); a forced tool call wins over response_format. With an output format the
+  template's thinking defaults to off (a grammar starts at the first generated token; an explicit
+  enable_thinking still wins).
 - stop: a string or up to 4 strings, as OpenAI; empty strings are dropped (they would stop at once).
 - max_tokens / max_completion_tokens (the latter wins): a positive integer no larger than the context;
   absent means "up to the context limit" for chat and 16 for /v1/completions (OpenAI's and vLLM's default).
@@ -24,6 +27,7 @@ from appliance.engine.sampling import SamplingParamError, SamplingParams
 from appliance.protocol.errors import ApiError
 from appliance.protocol.fields import check_type, get, invalid, load_json_object
 from appliance.protocol.messages import normalize_messages, normalize_tools
+from appliance.protocol.structured import OutputFormat, parallel_tool_calls, parse_response_format, parse_tool_choice
 
 MAX_STOP = 4
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -53,9 +57,10 @@ class ChatRequest:
     include_metrics: bool = False
     include_tokens: bool = False
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | None = None          # 'auto' | 'none' | None
+    tool_choice: str | None = None          # 'auto' | 'none' | 'required' | 'function' | None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     ignore_eos: bool = False
+    output_format: OutputFormat | None = None   # constrained decoding (json_object / json_schema / forced tools)
 
     @property
     def enable_thinking(self) -> bool:
@@ -178,16 +183,12 @@ def parse_chat_request(body: bytes, *, defaults: Mapping[str, Any] | None = None
         given["top_logprobs"] = top_logprobs
     sampling = _sampling(data, defaults, given)
 
-    rf = get(data, "response_format", "object")
-    if rf is not None and rf.get("type") != "text":
-        raise invalid("response_format", f"'response_format' of type {rf.get('type')!r} is not supported by this "
-                                         f"server (no constrained decoding); use {{\"type\": \"text\"}}.",
-                      code="unsupported_value")
-
+    output_format = parse_response_format(data.get("response_format"))
     tools = normalize_tools(data.get("tools"))
-    tool_choice = _tool_choice(data.get("tool_choice"))
+    tool_choice, forced = parse_tool_choice(data.get("tool_choice"), tools, parallel_tool_calls(data))
     if tool_choice == "none":
         tools = None
+    output_format = forced or output_format
 
     kwargs = dict(get(data, "chat_template_kwargs", "object", default={}))
     bad = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
@@ -199,29 +200,18 @@ def parse_chat_request(body: bytes, *, defaults: Mapping[str, Any] | None = None
         kwargs.setdefault("enable_thinking", thinking)
     if "enable_thinking" in kwargs:
         check_type(kwargs["enable_thinking"], "boolean", "chat_template_kwargs.enable_thinking")
+    elif output_format is not None:
+        kwargs["enable_thinking"] = False
 
     return ChatRequest(messages=messages, sampling=sampling, model=model, max_tokens=max_tokens, stop=stop,
                        stream=flags.stream, include_usage=flags.include_usage,
                        include_metrics=flags.include_metrics, include_tokens=flags.include_tokens,
                        tools=tools, tool_choice=tool_choice if tools else None, template_kwargs=kwargs,
-                       ignore_eos=get(data, "ignore_eos", "boolean", default=False))
+                       ignore_eos=get(data, "ignore_eos", "boolean", default=False), output_format=output_format)
 
 
 def _missing(key: str) -> None:
     raise invalid(key, f"Missing required parameter: '{key}'.", code="missing_required_parameter")
-
-
-def _tool_choice(v: Any) -> str | None:
-    if v is None or v == "auto" or v == "none":
-        return v
-    if v == "required" or isinstance(v, dict):
-        raise invalid("tool_choice", "A 'tool_choice' that forces a tool call is not supported by this server "
-                                     "(no constrained decoding); use 'auto' or 'none'.", code="unsupported_value")
-    if isinstance(v, str):
-        raise invalid("tool_choice", f"Invalid value for 'tool_choice': '{v}'. Supported values are: 'none', "
-                                     f"'auto'.", code="invalid_value")
-    check_type(v, "string", "tool_choice")
-    return None
 
 
 def _prompt(v: Any) -> str | list[int]:

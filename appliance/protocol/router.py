@@ -5,6 +5,9 @@ Policies:
   request has tools, through the tool-call parser; so chat completions, the Ollama API and the Responses API
   report the same reasoning / content / tool calls for the same tokens, stream and non-stream alike.
 - A token counts as a reasoning token when the splitter was or is inside a think block around it.
+- Tool calls come out two ways: whole when they complete (the Routed tuple; Ollama sends calls whole), and as
+  OpenAI stream deltas in `deltas` after each push: a call's first delta has index, id, type and name, later
+  ones index and an arguments fragment (one entry per call index per push).
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ class OutputRouter:
         self.reasoning_parts: list[str] = []
         self.content_parts: list[str] = []
         self._reasoning_token_count = 0
+        self._n_announced = 0
+        self.deltas: list[dict[str, Any]] = []        # the OpenAI tool_calls stream deltas of the last push
 
     @property
     def in_reasoning(self) -> bool:
@@ -65,6 +70,7 @@ class OutputRouter:
         else:
             pieces = self._splitter.push(text) + (self._splitter.flush() if final else [])
         reasoning, content, calls = [], [], []
+        self.deltas = []
         for kind, piece in pieces:
             if kind == "reasoning":
                 reasoning.append(piece)
@@ -79,10 +85,17 @@ class OutputRouter:
         self.content_parts.append(c)
         return r, c, calls
 
-    @staticmethod
-    def _sort(pieces: list, content: list[str], calls: list[dict[str, Any]]) -> None:
+    def _sort(self, pieces: list, content: list[str], calls: list[dict[str, Any]]) -> None:
+        deltas = self.deltas
         for kind, value in pieces:
             if kind == "content":
                 content.append(value)
-            else:
+            elif kind == "done":
                 calls.append(value)
+            elif kind == "call":
+                deltas.append({"index": self._n_announced, **value})
+                self._n_announced += 1
+            elif deltas and deltas[-1]["index"] == self._n_announced - 1:
+                deltas[-1]["function"]["arguments"] += value
+            else:
+                deltas.append({"index": self._n_announced - 1, "function": {"arguments": value}})

@@ -1,0 +1,178 @@
+"""Constrained decoding: a per-request token mask from a grammar (llguidance), applied before sampling.
+
+Policies:
+- Grammars are llguidance's: JSON schemas through its JSON compiler, anything else as Lark with inline
+  `%json{...}` (tool calls). A grammar is compiled once per request, off the event loop, before the request
+  queues; a grammar llguidance refuses is a GrammarError whose message names the part it refuses.
+- Bounded work: compile and every mask step run under LLParserLimits (lexer states, grammar size, per-step
+  fuel), so no schema can hang the engine or grow its memory without bound.
+- JSON is compact-ish and whitespace-free outside strings (", " and ": " separators): a model cannot loop on
+  whitespace, and output reads like OpenAI's.
+- The mask is computed on the engine thread, after the token is accepted and before the next sampling step;
+  it is one bit per token (V/32 int32 words) unpacked to a (V,) bool, and the logits are copied at most once
+  (Sampler.sample applies it into its own penalized copy when there is one).
+- When the grammar is complete (nothing but end-of-sequence can follow) generation stops without another
+  forward step.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import numpy as np
+
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(ValueError):
+    """A grammar (schema) the constraint library refuses; the message names the unsupported part."""
+
+
+def _limits():
+    import llguidance
+
+    return llguidance.LLParserLimits(max_items_in_row=2000, initial_lexer_fuel=2_000_000,
+                                     step_lexer_fuel=200_000, step_max_items=50_000, max_lexer_states=50_000,
+                                     max_grammar_size=200_000, verbose_errors=False)
+
+
+_TOKENIZERS: dict[int, Any] = {}
+_TOKENIZERS_LOCK = threading.Lock()
+
+
+def grammar_tokenizer(tokenizer, vocab_size: int, eos_ids: Iterable[int]):
+    """llguidance's tokenizer for our Tokenizer (built once per Tokenizer object, ~1 s for a 150k vocabulary):
+    the model's own tokenizer.json (HF directory or the one built from GGUF metadata), padded to the model's
+    vocabulary and with every end-of-generation id as EOS."""
+    import llguidance
+
+    key = id(tokenizer)
+    with _TOKENIZERS_LOCK:
+        entry = _TOKENIZERS.get(key)
+        if entry is None or entry[0] is not tokenizer:
+            llt = llguidance.LLTokenizer(tokenizer._tk.to_str(), n_vocab=vocab_size,
+                                         eos_token=sorted(eos_ids) or None)
+            entry = (tokenizer, llt)
+            _TOKENIZERS[key] = entry
+        return entry[1]
+
+
+def json_schema_grammar(schema: dict | bool) -> str:
+    import llguidance
+
+    if schema is True or schema == {}:
+        schema = {}
+    return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
+
+
+def lark_grammar(lark: str) -> str:
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A grammar built for one tokenizer; start() hands the engine its per-request mask state."""
+    grammar: str
+    matcher: Any            # llguidance.LLMatcher, built and checked when the request was parsed
+    vocab_size: int
+
+    def start(self) -> "TokenConstraint":
+        self.matcher.reset()
+        return TokenConstraint(self.matcher, self.vocab_size)
+
+
+def compile_grammar(grammar: str, llg_tokenizer, vocab_size: int) -> CompiledGrammar:
+    """Build the grammar's matcher for the tokenizer under the limits (drops the GIL; run it off the event
+    loop); GrammarError when llguidance refuses the grammar."""
+    import llguidance
+
+    matcher = llguidance.LLMatcher(llg_tokenizer, grammar, log_level=0, limits=_limits())
+    if matcher.is_error():
+        raise GrammarError(_clean(matcher.get_error()))
+    return CompiledGrammar(grammar, matcher, vocab_size)
+
+
+def _clean(msg: str) -> str:
+    return " ".join(msg.split())[:500]
+
+
+class TokenConstraint:
+    """One request's grammar state: `allowed()` before each sampling step, `accept(token)` after it."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self._m = matcher
+        self.vocab_size = vocab_size
+        words = (vocab_size + 31) // 32
+        self._bits = np.zeros(words, dtype=np.int32)           # (V/32,) one bit per token
+        if matcher.is_error():
+            raise GrammarError(_clean(matcher.get_error()))
+
+    def allowed(self) -> np.ndarray:
+        """(V,) bool: the tokens the grammar allows next (at least one: EOS when nothing else fits)."""
+        self._m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        if self._m.is_error():
+            raise GrammarError(_clean(self._m.get_error()))
+        bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")   # (32 * words,)
+        return bits[: self.vocab_size].view(bool)
+
+    def accept(self, token: int) -> None:
+        if not self._m.consume_token(int(token)):
+            raise GrammarError(_clean(self._m.get_error() or f"token {token} is not allowed by the grammar"))
+
+    @property
+    def finished(self) -> bool:
+        """Nothing but end-of-sequence can follow (the JSON value / tool call is complete)."""
+        return self._m.is_stopped()
+
+    @property
+    def accepting(self) -> bool:
+        return self._m.is_accepting()
+
+
+def _lark_literal(text: str, tokenizer, llg_tokenizer) -> str:
+    """A literal in Lark: a vocabulary entry that llguidance treats as a special token is matched by its id
+    (`<[151657]>`: its text would never match it), anything else as a string."""
+    i = tokenizer.id_of(text) if tokenizer is not None else None
+    if i is not None and llg_tokenizer is not None and llg_tokenizer.is_special_token(i):
+        return f"<[{i}]>"
+    return json.dumps(text)
+
+
+def tool_calls_grammar(tools: Iterable[tuple[str, Any]], parallel: bool, tokenizer=None, llg_tokenizer=None) -> str:
+    """Lark for Hermes-style calls (`<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>`, the Qwen
+    templates' format): one call, or several separated by a newline; each call's arguments follow its
+    function's parameters schema, "name" first so a stream can announce the call before its arguments."""
+    alternatives = [{"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+                     "required": ["name", "arguments"], "additionalProperties": False} for name, params in tools]
+    body = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+    body = {"x-guidance": JSON_OPTIONS, **body}
+    calls = 'call ("\\n" call)*' if parallel else "call"
+    open_tag, close_tag = (_lark_literal(t, tokenizer, llg_tokenizer) for t in ("<tool_call>", "</tool_call>"))
+    return lark_grammar(f'start: {calls}\ncall: {open_tag} "\\n" body "\\n" {close_tag}\n'
+                        f'body: %json {json.dumps(body)}\n')
+
+
+def grammar_for(fmt, tokenizer=None, llg_tokenizer=None) -> str:
+    """The llguidance grammar of a protocol.structured.OutputFormat."""
+    if fmt.kind == "json":
+        return json_schema_grammar({"type": "object"})
+    if fmt.kind == "json_schema":
+        return json_schema_grammar(fmt.schema)
+    if fmt.kind == "tool_calls":
+        return tool_calls_grammar(fmt.tools, fmt.parallel, tokenizer, llg_tokenizer)
+    raise ValueError(f"unknown output format {fmt.kind!r}")
+
+
+def constraint_for(fmt, tokenizer, vocab_size: int, eos_ids: Iterable[int]) -> CompiledGrammar:
+    """The compiled constraint of an OutputFormat for one model's tokenizer (GrammarError when refused).
+    Blocking (tokenizer table on first use, grammar build): call it off the event loop."""
+    llg_tokenizer = grammar_tokenizer(tokenizer, vocab_size, eos_ids)
+    try:
+        grammar = grammar_for(fmt, tokenizer, llg_tokenizer)
+    except ValueError as e:                                   # llguidance: a schema that is not JSON-able
+        raise GrammarError(_clean(str(e))) from None
+    return compile_grammar(grammar, llg_tokenizer, vocab_size)
