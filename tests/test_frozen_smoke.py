@@ -187,6 +187,16 @@ def test_serves_a_streamed_chat_and_exits_0_on_sigterm(clean_dir, tmp_path):
         assert get(port, "/", {"Accept": "text/html,*/*;q=0.8"}) == (200, page)
         assert get(port, "/chat/") == (200, page)
 
+        # constrained decoding (llguidance's extension and its metadata travel in the executable)
+        schema = {"type": "object", "properties": {"mood": {"enum": ["calm", "stormy"]}, "waves": {"type": "integer"}},
+                  "required": ["mood", "waves"], "additionalProperties": False}
+        r = client.chat.completions.create(model=model, max_tokens=60, temperature=1.0, seed=1,
+                                           messages=[{"role": "user", "content": "The sea?"}],
+                                           response_format={"type": "json_schema",
+                                                            "json_schema": {"name": "sea", "schema": schema}})
+        answer = json.loads(r.choices[0].message.content)
+        assert answer["mood"] in ("calm", "stormy") and isinstance(answer["waves"], int), answer
+
         time.sleep(2.5)  # idle past one watchdog period: the pings must keep coming without requests
         proc.send_signal(signal.SIGTERM)  # to the main process only, as KillMode=mixed does
         out, err = proc.communicate(timeout=60)
