@@ -198,7 +198,7 @@ class OllamaApi:
         return loaded, body, o
 
     def _prompt(self, loaded: Any, o: OllamaRequest, body_size: int):
-        """Worker thread: (prompt text, prompt ids, the request fitted to the context)."""
+        """Worker thread: (prompt text, prompt ids, the request fitted to the context, its `format` constraint)."""
         if o.raw:
             prompt = o.prompt
             ids = self.api.encode(loaded, prompt, o.request.max_tokens, body_size)
@@ -210,7 +210,8 @@ class OllamaApi:
             raise ApiError(400, f"Invalid 'context': token id {bad[0]} is out of range (vocabulary size {vocab}).",
                            param="context")
         ids = [*o.context, *ids]
-        return prompt, ids, self._fit(loaded, o, len(ids))
+        return prompt, ids, self._fit(loaded, o, len(ids)), self.api.compile_constraint(loaded, o.response_format,
+                                                                                       "format")
 
     async def chat(self, ex: Exchange) -> None:
         await self._run(ex, parse_ollama_chat)
@@ -223,13 +224,13 @@ class OllamaApi:
         if parsed is None:
             return
         loaded, body, o = parsed
-        prompt, ids, req = await self.api.prepare(lambda: self._prompt(loaded, o, len(body)))
+        prompt, ids, req, constraint = await self.api.prepare(lambda: self._prompt(loaded, o, len(body)))
         in_reasoning = prompt_ends_in_reasoning(prompt)
         if parse is parse_ollama_chat:
             out = OllamaChatAssembler(self.name, in_reasoning=in_reasoning, tools=bool(req.tools))
         else:
             out = OllamaGenerateAssembler(self.name, ids, in_reasoning=in_reasoning)
-        await self.api.generate_chat(ex, loaded, req, ids, out, len(body))
+        await self.api.generate_chat(ex, loaded, req, ids, out, len(body), constraint)
 
     def _fit(self, loaded: Any, o: OllamaRequest, n_prompt: int):
         """The request checked against the context (num_ctx, when smaller, is this request's context)."""

@@ -144,8 +144,8 @@ def test_errors_in_ollama_shape(client, server):
     status, body = call("POST", "/api/chat", b"{not json")
     assert status == 400 and "JSON" in body["error"]
     status, body = call("POST", "/api/chat", {"model": "m", "messages": [{"role": "user", "content": "x"}],
-                                               "format": "json"})
-    assert status == 400 and "format" in body["error"]
+                                               "format": {"type": "string", "format": "no-such-format"}})
+    assert status == 400 and set(body) == {"error"} and "'format'" in body["error"] and "no-such-format" in body["error"]
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model=name(server), messages=[{"role": "user", "content": "x"}], options={"top_p": "all"})
     assert e.value.status_code == 400 and "top_p" in e.value.error

@@ -47,8 +47,8 @@ def test_options_map_to_sampling_and_limits():
     ({"options": {"num_ctx": 0}}, "options.num_ctx"),
     ({"options": {"stop": 3}}, "options.stop"),
     ({"options": []}, "options"),
-    ({"format": "json"}, "format"),
-    ({"format": {"type": "object"}}, "format"),
+    ({"format": {"type": "object", "properties": {"a": {"enum": list(range(6000))}}}}, "format.properties.a.enum"),
+    ({"format": ["json"]}, "format"),
     ({"format": "yaml"}, "format"),
     ({"think": "maybe"}, "think"),
     ({"keep_alive": "soon"}, "keep_alive"),
@@ -149,3 +149,15 @@ def test_chat_and_generate_non_stream_objects():
     body = g2.response("stop", "B", STATS, completion_ids=[5])
     assert body["response"] == "AB" and body["context"] == [7, 5]
     assert durations(STATS)["eval_duration"] == 4_000_000
+
+
+def test_format_is_an_output_format_and_turns_thinking_off_unless_asked():
+    from appliance.protocol.structured import OutputFormat
+
+    o = parse_ollama_chat(chat(format="json"), context_length=4096)
+    assert o.request.output_format == OutputFormat("json") and o.request.template_kwargs == {"enable_thinking": False}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    o = parse_ollama_chat(chat(format=schema, think=True), context_length=4096)
+    assert o.request.output_format == OutputFormat("json_schema", schema)
+    assert o.request.template_kwargs == {"enable_thinking": True}
+    assert parse_ollama_chat(chat(), context_length=4096).request.output_format is None

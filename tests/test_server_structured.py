@@ -265,6 +265,34 @@ def test_openai_stream_helpers_accept_the_tool_call_stream(client):
     assert isinstance(parsed, M14)
 
 
+def closed(schema):
+    """A Pydantic JSON schema with additionalProperties false on every object (an open object lets a random model
+    add keys whose names never end)."""
+    if isinstance(schema, dict):
+        out = {k: closed(v) for k, v in schema.items()}
+        if out.get("type") == "object":
+            out["additionalProperties"] = False
+        return out
+    return [closed(v) for v in schema] if isinstance(schema, list) else schema
+
+
+def test_ollama_client_format_schema_and_json(server):
+    """Ollama's `format` (what Home Assistant's AI Task sends): a schema, and "json"."""
+    import ollama
+
+    client = ollama.Client(host=server.url)
+    for seed in (1, 2, 3):
+        r = client.chat(model="m", messages=MESSAGES, format=closed(M14.model_json_schema()),
+                        options={"temperature": 1.0, "seed": seed, "num_predict": 300})
+        assert r.done_reason == "stop" and isinstance(M14.model_validate_json(r.message.content), M14)
+        chunks = list(client.generate(model="m", prompt="Data:", format=closed(M9.model_json_schema()), stream=True,
+                                      options={"temperature": 1.0, "seed": seed, "num_predict": 300}))
+        assert isinstance(M9.model_validate_json("".join(c.response for c in chunks)), M9)
+    r = client.chat(model="m", messages=MESSAGES, format="json", options={"temperature": 1.0, "seed": 0,
+                                                                         "num_predict": 120})
+    assert r.message.content.startswith("{")
+
+
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
 def test_langchain_with_structured_output(server, method):
     from langchain_openai import ChatOpenAI

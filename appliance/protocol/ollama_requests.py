@@ -11,8 +11,8 @@ Policies:
   context for this request; larger is capped at the model's).
 - think: true / a level string -> the template's enable_thinking on; false -> off; absent -> the template's
   default. Thinking is always split into the `thinking` field (newer Ollama's behaviour).
-- format: parsed in one place (`response_format`); until constrained decoding exists, "json" or a schema is a
-  clear 400. keep_alive is accepted (a number or a duration string) and changes nothing: the model stays loaded.
+- format: "json" (any JSON object) or a JSON schema -> the request's output_format (constrained decoding, the
+  same limits as OpenAI's response_format; errors name `format`); with a format and no `think`, thinking is off. keep_alive is accepted (a number or a duration string) and changes nothing: the model stays loaded.
 - An empty `messages` (chat) or empty `prompt` without images (generate) is Ollama's load / unload request:
   answered at once, no generation.
 """
@@ -26,6 +26,7 @@ from appliance.protocol.errors import ApiError
 from appliance.protocol.fields import check_type, get, invalid, load_json_object
 from appliance.protocol.messages import normalize_messages, normalize_tools
 from appliance.protocol.requests import ChatRequest, _sampling
+from appliance.protocol.structured import OutputFormat, check_schema
 
 MAX_STOP = 16
 _DURATION = re.compile(r"^-?(\d+(\.\d*)?(ns|us|µs|ms|s|m|h))+$|^-?\d+(\.\d*)?$")
@@ -45,7 +46,7 @@ class OllamaRequest:
     num_ctx: int | None = None        # a smaller context for this request
     load_only: bool = False           # empty messages / prompt: Ollama's load (or unload) request
     unload: bool = False              # keep_alive 0 with nothing to generate
-    response_format: Any = None       # "json" or a JSON schema (refused until constrained decoding exists)
+    response_format: Any = None       # `format` as an OutputFormat (also in request.output_format)
     # /api/generate only
     raw: bool = False
     prompt: str = ""
@@ -120,16 +121,17 @@ def _zero(keep_alive: Any) -> bool:
     return keep_alive == 0
 
 
-def response_format(data: Mapping[str, Any]) -> Any:
-    """`format`: "" / absent -> none; "json" or a JSON-schema object -> refused until constrained decoding."""
+def response_format(data: Mapping[str, Any]) -> OutputFormat | None:
+    """`format`: "" / absent -> none; "json" -> any JSON object; a JSON-schema object -> that schema."""
     f = data.get("format")
     if f is None or f == "":
         return None
-    if f != "json" and not isinstance(f, dict):
+    if f == "json":
+        return OutputFormat("json")
+    if not isinstance(f, dict):
         raise invalid("format", f"Invalid 'format': {f!r}; use \"json\" or a JSON schema object.",
                       code="invalid_value")
-    raise invalid("format", "'format' (JSON output) is not supported by this server yet (no constrained "
-                            "decoding); leave it out and ask for JSON in the prompt.", code="unsupported_value")
+    return OutputFormat("json_schema", check_schema(f, "format"))
 
 
 def _options(data: Mapping[str, Any], defaults: Mapping[str, Any] | None, context_length: int | None):
@@ -196,8 +198,11 @@ def _common(data: Mapping[str, Any], defaults, context_length, messages, tools) 
     fmt = response_format(data)
     sampling, max_tokens, stop, num_ctx = _options(data, defaults, context_length)
     think, kwargs = _think(data)
+    if fmt is not None and think is None:
+        kwargs = {"enable_thinking": False}
     req = ChatRequest(messages=messages, sampling=sampling, model=model, max_tokens=max_tokens, stop=stop,
-                      stream=stream, tools=tools, tool_choice="auto" if tools else None, template_kwargs=kwargs)
+                      stream=stream, tools=tools, tool_choice="auto" if tools else None, template_kwargs=kwargs,
+                      output_format=fmt)
     return OllamaRequest(request=req, model=model, think=think, num_ctx=num_ctx, response_format=fmt,
                          unload=_zero(keep_alive))
 
