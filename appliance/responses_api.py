@@ -18,16 +18,17 @@ class ResponsesApi:
         api.routes["/v1/responses"] = {"POST": self.create}
 
     def _prepare(self, loaded: Any, body: bytes):
-        """Worker thread: body -> (parsed request, prompt text, prompt ids)."""
+        """Worker thread: body -> (parsed request, prompt text, prompt ids, constraint)."""
         r = parse_responses_request(body, defaults=loaded.default_sampling, context_length=loaded.context_length,
                                     images_supported=loaded.multimodal)
         prompt, ids = self.api.render_prompt(loaded, r.request, len(body))
-        return r, prompt, ids
+        param = "tools" if r.request.tool_choice in ("required", "function") else "text.format"
+        return r, prompt, ids, self.api.compile_constraint(loaded, r.request.output_format, param)
 
     async def create(self, ex: Exchange) -> None:
         loaded = self.api.loaded()
         body = await ex.read_body()
-        r, prompt, ids = await self.api.prepare(lambda: self._prepare(loaded, body))
+        r, prompt, ids, constraint = await self.api.prepare(lambda: self._prepare(loaded, body))
         out = ResponsesAssembler(self.api.cfg.model_name, int(time.time()), r.echo,
                                  in_reasoning=prompt_ends_in_reasoning(prompt), tools=bool(r.request.tools))
-        await self.api.generate_chat(ex, loaded, r.request, ids, out, len(body))
+        await self.api.generate_chat(ex, loaded, r.request, ids, out, len(body), constraint)

@@ -90,7 +90,10 @@ def test_input_items_become_chat_messages():
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tools": [{"type": "function"}]}, "tools[0].name"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": []}}}, "text.format.json_schema.schema"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
+     "tool_choice.name"),
     ({"reasoning": {"effort": "max"}}, "reasoning.effort"),
     ({"top_logprobs": 3}, "top_logprobs"),
 ])
@@ -175,3 +178,22 @@ def test_error_event():
     a.start()
     ev = parse_events([a.error_event(ApiError(500, "boom"))])[0]
     assert ev == {"type": "error", "sequence_number": 2, "code": "server_error", "message": "boom", "param": None}
+
+
+def test_text_format_and_forced_tool_choice_are_output_formats():
+    from appliance.protocol.structured import OutputFormat
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    r = parse_responses_request(body(text={"format": {"type": "json_schema", "name": "x", "schema": schema,
+                                                      "strict": True}}), context_length=4096)
+    assert r.request.output_format == OutputFormat("json_schema", schema)
+    assert r.request.template_kwargs == {"enable_thinking": False}
+    assert r.echo["text"] == {"format": {"type": "json_schema", "name": "x", "schema": schema, "strict": True}}
+    r = parse_responses_request(body(text={"format": {"type": "json_object"}}, reasoning={"effort": "high"}),
+                                context_length=4096)
+    assert r.request.output_format == OutputFormat("json") and r.request.template_kwargs == {}
+    tools = [{"type": "function", "name": "f", "parameters": schema}]
+    r = parse_responses_request(body(tools=tools, tool_choice={"type": "function", "name": "f"}), context_length=4096)
+    assert r.request.output_format == OutputFormat("tool_calls", tools=(("f", schema),), parallel=False)
+    assert r.echo["tool_choice"] == {"type": "function", "name": "f"}
+    assert parse_responses_request(body(), context_length=4096).request.output_format is None

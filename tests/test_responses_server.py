@@ -152,8 +152,9 @@ def test_errors_and_stateless_refusals(client):
         client.responses.create(model="m", input="x", store=True)
     assert e.value.body["param"] == "store"
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(model="m", input="x", text={"format": {"type": "json_object"}})
-    assert e.value.body["param"] == "text.format"
+        client.responses.create(model="m", input="x", text={"format": {"type": "json_schema", "name": "x", "schema": {
+            "type": "object", "properties": {"when": {"type": "string", "format": "no-such-format"}}}}})
+    assert e.value.body["param"] == "text.format" and "no-such-format" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="m", input=[{"role": "user", "content": [
             {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}])

@@ -265,6 +265,20 @@ def test_openai_stream_helpers_accept_the_tool_call_stream(client):
     assert isinstance(parsed, M14)
 
 
+def test_responses_api_text_format_and_forced_tool(client):
+    """The Responses API: client.responses.parse(text_format=Model), and a forced function call."""
+    for seed in (1, 2):
+        r = client.responses.parse(model="m", input="Reply with the data.", text_format=M13, temperature=1.0,
+                                   max_output_tokens=300, extra_body={"seed": seed})
+        assert isinstance(r.output_parsed, M13) and r.status == "completed"
+    r = client.responses.create(model="m", input="Weather?", temperature=1.0, max_output_tokens=200,
+                                tools=[{"type": "function", **TOOLS[0]["function"]}],
+                                tool_choice={"type": "function", "name": "get_weather"})
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    assert set(json.loads(calls[0].arguments)) == {"city", "unit", "days"}
+
+
 def closed(schema):
     """A Pydantic JSON schema with additionalProperties false on every object (an open object lets a random model
     add keys whose names never end)."""

@@ -12,9 +12,11 @@ Policies:
 - instructions -> a system message first. max_output_tokens -> max_tokens (>= 16, as OpenAI, up to the
   context). temperature / top_p as OpenAI; top_k / min_p / seed / penalties accepted as the chat route does.
 - tools: function tools (flat: name, description, parameters, strict) -> chat tools; other tool types are 400.
-  tool_choice: "auto" / "none"; forcing a call is 400 until constrained decoding exists.
-- text.format and reasoning are parsed in `text_format` / `_reasoning`: text.format other than "text" is a 400
-  until constrained decoding exists; reasoning.effort "none" turns the template's thinking off.
+  tool_choice: "auto" / "none" / "required" / {"type": "function", "name": N} (a forced call constrains
+  decoding, as on the chat route).
+- text.format and reasoning are parsed in `text_format` / `_reasoning`: text.format json_object / json_schema
+  (flat: name, schema, strict) constrains decoding like chat's response_format; with a JSON format or a forced
+  call and no reasoning.effort, thinking is off; reasoning.effort "none" turns it off too.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from typing import Any, Mapping
 from appliance.protocol.errors import ApiError
 from appliance.protocol.fields import check_type, get, invalid, load_json_object, require
 from appliance.protocol.messages import normalize_messages, normalize_tools
-from appliance.protocol.requests import ChatRequest, _sampling, _tool_choice
+from appliance.protocol.requests import ChatRequest, _sampling
+from appliance.protocol.structured import OutputFormat, parse_response_format, parse_tool_choice
 
 MIN_OUTPUT_TOKENS = 16
 STATEFUL = "This server is stateless and stores no responses; send the whole conversation as input items."
@@ -146,15 +149,31 @@ def _tools(raw: Any) -> list[dict[str, Any]] | None:
         raise
 
 
-def text_format(data: Mapping[str, Any]) -> dict[str, Any]:
-    """`text.format`: {"type": "text"} (the default); a JSON format is refused until constrained decoding."""
+def text_format(data: Mapping[str, Any]) -> tuple[dict[str, Any], OutputFormat | None]:
+    """`text.format` -> (its echo, the OutputFormat): {"type": "text"} (the default), {"type": "json_object"}, or
+    {"type": "json_schema", "name": ..., "schema": {...}, "strict": ...} (the Responses API's flat shape)."""
     text = get(data, "text", "object", default={})
     fmt = get(text, "format", "object", "text.format", default={"type": "text"})
-    kind = fmt.get("type")
-    if kind != "text":
-        raise invalid("text.format", f"'text.format' of type {kind!r} is not supported by this server (no "
-                                     f"constrained decoding); use {{\"type\": \"text\"}}.", code="unsupported_value")
-    return {"format": {"type": "text"}}
+    if fmt.get("type") == "json_schema":
+        out = parse_response_format({"type": "json_schema", "json_schema": fmt}, "text.format")
+        return {"format": dict(fmt)}, out
+    out = parse_response_format(fmt, "text.format")
+    return {"format": {"type": fmt.get("type")}}, out
+
+
+def _tool_choice(v: Any, tools: list[dict[str, Any]] | None, parallel: bool):
+    """The Responses spelling ({"type": "function", "name": N}) through the chat route's parse_tool_choice."""
+    if isinstance(v, dict) and v.get("type") == "function" and "function" not in v:
+        v = {"type": "function", "function": {"name": v.get("name")}}
+    try:
+        return parse_tool_choice(v, tools, parallel)
+    except ApiError as e:
+        e.param = (e.param or "").replace("tool_choice.function.", "tool_choice.")
+        raise
+
+
+def _echo_tool_choice(raw: Any, parsed: str | None) -> Any:
+    return raw if parsed == "function" else parsed or "auto"
 
 
 def _reasoning(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -199,18 +218,23 @@ def parse_responses_request(body: bytes, *, defaults: Mapping[str, Any] | None =
                                       "/v1/chat/completions.", code="unsupported_parameter")
     sampling = _sampling(data, defaults, {})
     tools = _tools(data.get("tools"))
-    tool_choice = _tool_choice(data.get("tool_choice"))
+    parallel = get(data, "parallel_tool_calls", "boolean", default=True)
+    tool_choice, forced = _tool_choice(data.get("tool_choice"), tools, parallel)
     if tool_choice == "none":
         tools = None
-    fmt = text_format(data)
+    fmt, output_format = text_format(data)
+    output_format = forced or output_format
     reasoning, kwargs = _reasoning(data)
+    if output_format is not None and reasoning["effort"] is None:
+        kwargs = {"enable_thinking": False}
     stream = get(data, "stream", "boolean", default=False)
     req = ChatRequest(messages=messages, sampling=sampling, model=model, max_tokens=max_tokens, stream=stream,
-                      tools=tools, tool_choice=tool_choice if tools else None, template_kwargs=kwargs)
+                      tools=tools, tool_choice=tool_choice if tools else None, template_kwargs=kwargs,
+                      output_format=output_format)
     echo = {"instructions": instructions, "max_output_tokens": max_tokens,
             "metadata": get(data, "metadata", "object", default={}),
-            "parallel_tool_calls": get(data, "parallel_tool_calls", "boolean", default=True),
+            "parallel_tool_calls": parallel,
             "reasoning": reasoning, "temperature": sampling.temperature, "text": fmt,
-            "tool_choice": tool_choice or "auto", "tools": list(data.get("tools") or []),
+            "tool_choice": _echo_tool_choice(data.get("tool_choice"), tool_choice), "tools": list(data.get("tools") or []),
             "top_p": sampling.top_p, "user": get(data, "user", "string")}
     return ResponsesRequest(request=req, echo=echo)
