@@ -69,6 +69,14 @@ def write_random_qwen3(path: str, qtype_name: str, shape: dict = QWEN3_1_7B) -> 
     return write_random_gguf(path, cfg, plan, qtype_name, f"random-qwen3-1.7b-{qtype_name.lower()}")
 
 
+def bench_file(name: str) -> tuple[str, str]:
+    """(row label, GGUF path) of a --models entry: "smollm2" (the real file) or a quant type of the 1.7B shape."""
+    if name == "smollm2":
+        return "smollm2-135m-q41", fetch_smollm2()
+    return (f"qwen3-1.7b-{name}",
+            write_random_qwen3(os.path.join(CACHE, f"random-qwen3-1.7b-{name}.gguf"), name.upper()))
+
+
 def attention_plan(p: str, s: dict) -> list[tuple[str, tuple]]:
     """A Qwen3 layer's norms and attention tensors (GGUF names, numpy shapes)."""
     H, KV, hd, D = s["heads"], s["kv_heads"], s["head_dim"], s["hidden"]
@@ -225,12 +233,7 @@ def main(argv=None) -> int:
           f"{kernels.available() and kernels.simd_name()}; peer: {peer.PACKAGE}", flush=True)
     rows = []
     for m in args.models.split(","):
-        if m == "smollm2":
-            label, path = "smollm2-135m-q41", fetch_smollm2()
-        else:
-            label = f"qwen3-1.7b-{m}"
-            path = write_random_qwen3(os.path.join(CACHE, f"random-qwen3-1.7b-{m}.gguf"), m.upper())
-        rows += bench_model(label, path, threads, args.runs, args.prompt, args.decode, peer)
+        rows += bench_model(*bench_file(m), threads, args.runs, args.prompt, args.decode, peer)
     print(f"\ndecode: {args.decode} tokens; prefill: {args.prompt}-token prompt; median of {args.runs} interleaved runs; "
           "tok/s; ratio = ours / llama.cpp;\nGB/s = numpy copy bandwidth (1 thread, read+write) measured before the row; "
           "BW lim = that / weight bytes per token (tok/s); load = 1-min load average before the row (2 cores, shared)")
