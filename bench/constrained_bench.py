@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from appliance.engine.constraint import constraint_for  # noqa: E402
 from appliance.engine.generate import GenerationRequest  # noqa: E402
-from appliance.engine.model_dir import load_model  # noqa: E402
+from appliance.engine.load import load_model  # noqa: E402
 from appliance.engine.sampling import SamplingParams  # noqa: E402
 from appliance.native import kernels  # noqa: E402
 from appliance.protocol.structured import OutputFormat  # noqa: E402
