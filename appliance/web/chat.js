@@ -33,7 +33,8 @@
     history: [],        // the conversation as OpenAI messages
     attachments: [],    // images waiting to be sent: {url, w, h, name}
     run: null,          // the generation in flight
-    health: null,
+    health: null,       // the last /health answer
+    loadingInfo: false,
   };
 
   const ui = {
@@ -123,7 +124,10 @@
     const wasReady = S.ready;
     S.ready = S.health.kind === "ready";
     showHealth();
-    if (S.ready && (!wasReady || !S.props || !S.props.default_generation_settings)) loadInfo();
+    if (S.ready && !S.loadingInfo && (!wasReady || !S.props || !S.props.default_generation_settings)) {
+      S.loadingInfo = true;  // one at a time (it may be waiting for the API key)
+      loadInfo().finally(() => { S.loadingInfo = false; });
+    }
     setTimeout(poll, S.ready ? 3000 : 1000);
   }
 
