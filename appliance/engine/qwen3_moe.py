@@ -109,6 +109,10 @@ class SparseMoE:
         # chosen once at load: one native call per forward for all routed experts, or the numpy loop
         self.native = experts.native(router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
 
+    def native_moe(self):
+        """The bound native experts (kernels.MoEFFN) the native decoder runs inside its layer call, or None."""
+        return self.native
+
     def record(self, counts: np.ndarray, tokens: int) -> None:
         """Account one call whose experts got `counts` (E,) tokens (the native path's counts)."""
         used = np.nonzero(counts)[0]

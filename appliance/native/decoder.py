@@ -2,8 +2,10 @@
 (src/ops.c kq_forward) instead of a few hundred numpy calls per token.
 
 Policy: built only when every piece is something the C side serves — linear weights that are native
-QuantWeights, float32 DenseWeights or HalfWeights; a SwiGLU MLP; float32 KV caches — otherwise `build`
-returns None and the caller keeps the numpy forward (mixture-of-experts, vision hooks, no library).
+QuantWeights, float32 DenseWeights or HalfWeights; a SwiGLU MLP or mixture-of-experts routed experts bound for
+the C side (qwen3_moe.SparseMoE.native_moe: one kq_moe_ffn per layer inside the same call, its counts accounted
+after it); float32 KV caches — otherwise `build` returns None and the caller keeps the numpy forward (vision
+hooks, no library).
 Numerics: the same C matmuls as QuantWeight, float32 norms/RoPE/attention; equal to qwen3.forward_hidden
 within float rounding (tests/test_native_decoder.py).
 """
@@ -27,7 +29,7 @@ class _Linear(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [(n, _Linear) for n in _LINEARS] + [(n, _P) for n in _VECTORS]
+    _fields_ = [(n, _Linear) for n in _LINEARS] + [(n, _P) for n in _VECTORS] + [("moe", _P)]
 
 
 class _Model(ctypes.Structure):
@@ -59,8 +61,16 @@ class NativeDecoder:
         self.norm, self.eps = model.norm, c.rms_norm_eps  # no reference to the model itself: see native_decoder
         self._keep: list[np.ndarray] = []
         arr = (_Layer * len(layers))()
+        self._moe = []  # (sparse block, its bound experts): counts are accounted after each forward
         for i, spec in enumerate(layers):
+            moe = spec.get("moe")
+            if moe is not None:
+                block, ffn = moe
+                self._moe.append(moe)
+                arr[i].moe = ffn.address
             for name in _LINEARS:
+                if name not in spec:
+                    continue  # an MoE layer's gate/up/down
                 qtype, a = spec[name]
                 self._keep.append(a)
                 shape = spec[name + "_shape"]
@@ -88,12 +98,20 @@ class NativeDecoder:
         specs = []
         for layer in model.layers:
             a, mlp = layer.attn, layer.mlp
-            if not all(hasattr(mlp, n) for n in ("gate", "up", "down")) or type(mlp).__name__ != "SwiGLU":
-                return None
             spec: dict = {"attn_norm": layer.attn_norm, "mlp_norm": layer.mlp_norm, "q_norm": a.q_norm,
                           "k_norm": a.k_norm, "q_bias": a.q_bias, "k_bias": a.k_bias, "v_bias": a.v_bias}
-            for name, w in (("q", a.q), ("k", a.k), ("v", a.v), ("o", a.o),
-                            ("gate", mlp.gate), ("up", mlp.up), ("down", mlp.down)):
+            linears = [("q", a.q), ("k", a.k), ("v", a.v), ("o", a.o)]
+            native_moe = getattr(mlp, "native_moe", None)  # qwen3_moe.SparseMoE
+            if native_moe is not None:
+                ffn = native_moe()
+                if ffn is None or ffn.shape[1] != c.hidden_size:
+                    return None
+                spec["moe"] = (mlp, ffn)
+            elif all(hasattr(mlp, n) for n in ("gate", "up", "down")) and type(mlp).__name__ == "SwiGLU":
+                linears += [("gate", mlp.gate), ("up", mlp.up), ("down", mlp.down)]
+            else:
+                return None
+            for name, w in linears:
                 nl = native_linear(w)
                 if nl is None:
                     return None
@@ -104,7 +122,7 @@ class NativeDecoder:
                 c.intermediate_size
             want = {"q": (H * hd, D), "k": (KV * hd, D), "v": (KV * hd, D), "o": (D, H * hd),
                     "gate": (I, D), "up": (I, D), "down": (D, I)}
-            if any(spec[n + "_shape"] != want[n] for n in want):
+            if any(spec[n + "_shape"] != want[n] for n in want if n in spec):
                 return None
             specs.append(spec)
         return cls(model, specs)
@@ -150,6 +168,8 @@ class NativeDecoder:
                 layer_done(i)
         if rc != 0:
             raise RuntimeError(f"native forward failed ({rc})")
+        for block, ffn in self._moe:  # each MoE layer ran once over the T tokens
+            block.record(ffn.counts, T)
         return h
 
     def forward_hidden(self, h: np.ndarray, cache, cos: np.ndarray, sin: np.ndarray,

@@ -46,7 +46,7 @@ _SIGNATURES = {
     "kq_moe_ffn": (_I, [_P, _P, _I64, _P]),
     "kq_forward": (_I, [_P, _P, _P, _I64, _P, _I64, _I64, _P, _P]),
 }
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 _lib = None
 load_error: str | None = None

@@ -39,10 +39,20 @@ int kq_get_rows(int qtype, const uint8_t *w, int64_t n, const int64_t *ids, int6
 int kq_matmul(int qtype, const uint8_t *w, int64_t rows, int64_t n, const float *x, int64_t T, float *out);
 
 /* decoder operations (ops.c) */
+/* the routed experts of a mixture-of-experts MLP (moe.c): per-expert row pointers, read in place */
+typedef struct {
+    int64_t n_experts, top_k, hidden, inter;
+    int32_t norm_topk, gate_qtype, up_qtype, down_qtype;
+    const float *router;                                       /* (n_experts, hidden) */
+    const uint8_t *const *gate, *const *up, *const *down;      /* per expert: (inter, hidden) x2, (hidden, inter) */
+    int32_t *counts;                                           /* out, may be NULL: tokens per expert last call */
+} kq_moe;
+int kq_moe_ffn(const kq_moe *m, const float *x, int64_t T, float *out);
 typedef struct { int32_t qtype, pad; const uint8_t *w; int64_t rows, n; } kq_linear;
 typedef struct {
     kq_linear q, k, v, o, gate, up, down;
     const float *attn_norm, *mlp_norm, *q_norm, *k_norm, *q_bias, *k_bias, *v_bias; /* last 5 may be NULL */
+    const kq_moe *moe; /* non-NULL: the MLP is these routed experts (gate, up, down unused) */
 } kq_layer;
 typedef struct {
     int64_t n_layers, hidden, n_heads, n_kv, head_dim, inter;
@@ -55,15 +65,6 @@ void kq_rope(float *x, int64_t T, int64_t nh, int64_t hd, const float *cos, cons
 void kq_swiglu(const float *g, const float *u, int64_t n, float *out);
 void kq_attention(const float *q, const float *kc, const float *vc, int64_t max_len, int64_t T, int64_t S,
                   int64_t H, int64_t KV, int64_t hd, float *out);
-/* the routed experts of a mixture-of-experts MLP (moe.c): per-expert row pointers, read in place */
-typedef struct {
-    int64_t n_experts, top_k, hidden, inter;
-    int32_t norm_topk, gate_qtype, up_qtype, down_qtype;
-    const float *router;                                       /* (n_experts, hidden) */
-    const uint8_t *const *gate, *const *up, *const *down;      /* per expert: (inter, hidden) x2, (hidden, inter) */
-    int32_t *counts;                                           /* out, may be NULL: tokens per expert last call */
-} kq_moe;
-int kq_moe_ffn(const kq_moe *m, const float *x, int64_t T, float *out);
 
 /* vision tower operations (vision.c) */
 void kq_layer_norm(const float *x, const float *w, const float *b, int64_t T, int64_t n, float eps, float *out);

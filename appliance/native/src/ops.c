@@ -143,10 +143,14 @@ int kq_forward(const kq_model *m, float *const *k_cache, float *const *v_cache, 
         rc |= linear(&L->o, att, T, o);
         for (int64_t i = 0; i < T * D; i++) h[i] += o[i];
         kq_rms_norm(h, L->mlp_norm, T, D, m->eps, xn);
-        rc |= linear(&L->gate, xn, T, g);
-        rc |= linear(&L->up, xn, T, u);
-        kq_swiglu(g, u, T * I, g);
-        rc |= linear(&L->down, g, T, o);
+        if (L->moe) {
+            rc |= kq_moe_ffn(L->moe, xn, T, o);
+        } else {
+            rc |= linear(&L->gate, xn, T, g);
+            rc |= linear(&L->up, xn, T, u);
+            kq_swiglu(g, u, T * I, g);
+            rc |= linear(&L->down, g, T, o);
+        }
         for (int64_t i = 0; i < T * D; i++) h[i] += o[i];
     }
     return rc;
