@@ -370,6 +370,8 @@ def test_an_image_is_attached_resized_and_answered_on_qwen3_vl(browser, tmp_path
         assert answer.locator(".error").count() == 0
         assert "image)" in answer.locator(".status").inner_text()
         assert p.locator("#log .msg.user img").count() == 2
+        p.wait_for_selector("#dot.ready", timeout=5000)                # the header is back to ready at once
+        save_screenshot(p.page, "image-answer-1280x800")
 
         parts = p.bodies[-1]["messages"][0]["content"]
         assert [x["type"] for x in parts] == ["image_url", "image_url", "text"]

@@ -112,7 +112,7 @@
     setState("ready", "ready");
   }
 
-  async function poll() {
+  async function checkHealth() {
     try {
       const r = await api("health");
       const body = await r.json().catch(() => ({}));
@@ -128,6 +128,10 @@
       S.loadingInfo = true;  // one at a time (it may be waiting for the API key)
       loadInfo().finally(() => { S.loadingInfo = false; });
     }
+  }
+
+  async function poll() {
+    await checkHealth();
     setTimeout(poll, S.ready ? 3000 : 1000);
   }
 
@@ -260,6 +264,10 @@
     return art;
   }
 
+  function thoughtFor(ms) {
+    return "Thought for " + (ms < 1000 ? "under a second" : (ms / 1000).toFixed(ms < 10000 ? 1 : 0) + " s");
+  }
+
   function fmtMs(ms) { return ms >= 1000 ? (ms / 1000).toFixed(1) + " s" : Math.round(ms) + " ms"; }
 
   function statusText(t, reason) {
@@ -374,7 +382,7 @@
         if (thinking && !thought) {
           thought = true;
           think.open = false;
-          summary.textContent = "Thought for " + fmtMs(performance.now() - thinkStart);
+          summary.textContent = thoughtFor(performance.now() - thinkStart);
         }
         content += t;
         stream.push(t);
@@ -392,7 +400,7 @@
         art.classList.remove("live");
         if (content) stream.finish();
         thinkBody.normalize();
-        if (thinking && !thought) summary.textContent = "Thought for " + fmtMs(performance.now() - thinkStart);
+        if (thinking && !thought) summary.textContent = thoughtFor(performance.now() - thinkStart);
         status.className = "status";
         const line = statusText(run.timings, run.finish);
         status.textContent = run.stopped ? "Stopped" + (events ? " after " + events + " tokens" : "") : line;
@@ -495,6 +503,7 @@
     }
     run.view.done(run);
     setRunning(false);
+    checkHealth();  // the header says at once whether others are waiting now
     if (!ui.dlg.open) ui.input.focus();
   }
 
