@@ -32,7 +32,7 @@ from typing import Any, Awaitable, Callable
 
 import trio
 
-from .engine.constraint import GrammarError, constraint_for
+from .engine.constraint import GrammarError, constraint_for, think_mode
 from .engine.image_processing import ImageError
 from . import web
 from .generation import Generation
@@ -269,16 +269,19 @@ class Api:
                                  images_supported=loaded.multimodal, stream_extensions=self.cfg.extension_events)
         prompt, ids = self.render_prompt(loaded, req, len(body))
         param = "tools" if req.tool_choice in ("required", "function") else "response_format"
-        return req, prompt, ids, self.compile_constraint(loaded, req.output_format, param)
+        return req, prompt, ids, self.compile_constraint(loaded, req, prompt, param)
 
-    def compile_constraint(self, loaded: Any, fmt: Any, param: str) -> Any:
-        """Worker thread: the compiled constraint of an OutputFormat (None: unconstrained); a grammar llguidance
-        refuses is a 400 on `param` with its reason. Bounded by llguidance's limits; the first call also builds
-        the tokenizer's table (~1-3 s for a 150k vocabulary)."""
-        if fmt is None:
+    def compile_constraint(self, loaded: Any, req: Any, prompt: str, param: str) -> Any:
+        """Worker thread: the compiled constraint of a ChatRequest's output_format (None: unconstrained), letting
+        a thinking model think first when its thinking is on; a grammar llguidance refuses is a 400 on `param`
+        with its reason. Bounded by llguidance's limits; the first call also builds the tokenizer's table
+        (~1-3 s for a 150k vocabulary)."""
+        if req.output_format is None:
             return None
+        think = think_mode(loaded.tokenizer, prompt_ends_in_reasoning(prompt), req.enable_thinking)
         try:
-            return constraint_for(fmt, loaded.tokenizer, loaded.engine.model.config.vocab_size, loaded.eos_ids)
+            return constraint_for(req.output_format, loaded.tokenizer, loaded.engine.model.config.vocab_size,
+                                  loaded.eos_ids, think)
         except GrammarError as e:
             raise ApiError(400, f"Invalid schema for '{param}': {e}", param=param, code="invalid_schema") from None
 

@@ -210,7 +210,7 @@ class OllamaApi:
             raise ApiError(400, f"Invalid 'context': token id {bad[0]} is out of range (vocabulary size {vocab}).",
                            param="context")
         ids = [*o.context, *ids]
-        return prompt, ids, self._fit(loaded, o, len(ids)), self.api.compile_constraint(loaded, o.response_format,
+        return prompt, ids, self._fit(loaded, o, len(ids)), self.api.compile_constraint(loaded, o.request, prompt,
                                                                                        "format")
 
     async def chat(self, ex: Exchange) -> None:

@@ -23,7 +23,7 @@ class ResponsesApi:
                                     images_supported=loaded.multimodal)
         prompt, ids = self.api.render_prompt(loaded, r.request, len(body))
         param = "tools" if r.request.tool_choice in ("required", "function") else "text.format"
-        return r, prompt, ids, self.api.compile_constraint(loaded, r.request.output_format, param)
+        return r, prompt, ids, self.api.compile_constraint(loaded, r.request, prompt, param)
 
     async def create(self, ex: Exchange) -> None:
         loaded = self.api.loaded()

@@ -345,3 +345,27 @@ def test_bad_schemas_are_a_400_naming_the_part(client, body, param, words):
     assert info.value.status_code == 400 and err["param"].startswith(param) and words in err["message"], err
     ok = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
     assert ok.choices[0].finish_reason in ("length", "stop")      # the server is fine afterwards
+
+
+def test_thinking_on_thinks_first_then_follows_the_constraint(scripted_qwen3):
+    """Thinking explicitly on: the grammar lets the model's own <think> block through (the scripted checkpoint
+    thinks "Let me check"), then holds it to the forced call / the schema; thinking left unset is off."""
+    from tests.support.scripted_model import THINKING
+
+    with LiveServer(scripted_qwen3, queue=2) as s, \
+            openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120) as c:
+        on = {"chat_template_kwargs": {"enable_thinking": True}}
+        r = c.chat.completions.create(model="m", messages=MESSAGES, tools=TOOLS, temperature=0, max_tokens=120,
+                                      tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                      extra_body=on)
+        msg = r.choices[0].message
+        assert msg.model_extra["reasoning_content"] == THINKING
+        assert [t.function.name for t in msg.tool_calls] == ["get_weather"]
+        assert set(json.loads(msg.tool_calls[0].function.arguments)) == {"city", "unit", "days"}
+        r = c.chat.completions.parse(model="m", messages=MESSAGES, response_format=M5, temperature=0,
+                                     max_tokens=120, extra_body=on)
+        assert r.choices[0].message.model_extra["reasoning_content"] == THINKING
+        assert isinstance(r.choices[0].message.parsed, M5)
+        r = c.chat.completions.parse(model="m", messages=MESSAGES, response_format=M5, temperature=0, max_tokens=120)
+        assert "reasoning_content" not in (r.choices[0].message.model_extra or {})
+        assert isinstance(r.choices[0].message.parsed, M5)

@@ -1,8 +1,9 @@
 """Constrained decoding: a per-request token mask from a grammar (llguidance), applied before sampling.
 
 Policies:
-- Grammars are llguidance's: JSON schemas through its JSON compiler, anything else as Lark with inline
-  `%json{...}` (tool calls). A grammar is compiled once per request, off the event loop, before the request
+- Grammars are llguidance's Lark with inline `%json{...}` (JSON schemas go through its JSON compiler): the
+  JSON value, or Hermes tool-call blocks, optionally after a `<think>...</think>` block when thinking is on
+  (or after the rest of one the prompt left open), so a thinking model thinks freely, then answers in form. A grammar is compiled once per request, off the event loop, before the request
   queues; a grammar llguidance refuses is a GrammarError whose message names the part it refuses.
 - Bounded work: compile and every mask step run under LLParserLimits (lexer states, grammar size, per-step
   fuel), so no schema can hang the engine or grow its memory without bound.
@@ -57,14 +58,6 @@ def grammar_tokenizer(tokenizer, vocab_size: int, eos_ids: Iterable[int]):
             entry = (tokenizer, llt)
             _TOKENIZERS[key] = entry
         return entry[1]
-
-
-def json_schema_grammar(schema: dict | bool) -> str:
-    import llguidance
-
-    if schema is True or schema == {}:
-        schema = {}
-    return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
 
 
 def lark_grammar(lark: str) -> str:
@@ -142,37 +135,63 @@ def _lark_literal(text: str, tokenizer, llg_tokenizer) -> str:
     return json.dumps(text)
 
 
-def tool_calls_grammar(tools: Iterable[tuple[str, Any]], parallel: bool, tokenizer=None, llg_tokenizer=None) -> str:
-    """Lark for Hermes-style calls (`<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>`, the Qwen
+def _json_rule(schema: Any) -> str:
+    """A Lark `%json` body for a schema, with our JSON options."""
+    schema = {} if schema is True else schema
+    if not isinstance(schema, dict):
+        raise ValueError("a JSON schema is an object or true")
+    return f"%json {json.dumps({'x-guidance': JSON_OPTIONS, **schema})}"
+
+
+def tool_calls_rules(tools: Iterable[tuple[str, Any]], parallel: bool, tokenizer=None, llg_tokenizer=None) -> str:
+    """Lark for Hermes-style calls (`<tool_call>\n{"name": N, "arguments": {...}}\n</tool_call>`, the Qwen
     templates' format): one call, or several separated by a newline; each call's arguments follow its
     function's parameters schema, "name" first so a stream can announce the call before its arguments."""
     alternatives = [{"type": "object", "properties": {"name": {"const": name}, "arguments": params},
                      "required": ["name", "arguments"], "additionalProperties": False} for name, params in tools]
-    body = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
-    body = {"x-guidance": JSON_OPTIONS, **body}
+    call_schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
     calls = 'call ("\\n" call)*' if parallel else "call"
     open_tag, close_tag = (_lark_literal(t, tokenizer, llg_tokenizer) for t in ("<tool_call>", "</tool_call>"))
-    return lark_grammar(f'start: {calls}\ncall: {open_tag} "\\n" body "\\n" {close_tag}\n'
-                        f'body: %json {json.dumps(body)}\n')
+    return (f'body: {calls}\ncall: {open_tag} "\\n" call_json "\\n" {close_tag}\n'
+            f'call_json: {_json_rule(call_schema)}\n')
 
 
-def grammar_for(fmt, tokenizer=None, llg_tokenizer=None) -> str:
-    """The llguidance grammar of a protocol.structured.OutputFormat."""
+def grammar_for(fmt, tokenizer=None, llg_tokenizer=None, think: str = "none") -> str:
+    """The llguidance grammar (Lark) of a protocol.structured.OutputFormat.
+
+    think: "none" (the output starts with the constrained part), "optional" (a `<think>...</think>` block may come
+    first: thinking is on), "open" (the prompt left a think block open: free text up to `</think>` first)."""
     if fmt.kind == "json":
-        return json_schema_grammar({"type": "object"})
-    if fmt.kind == "json_schema":
-        return json_schema_grammar(fmt.schema)
-    if fmt.kind == "tool_calls":
-        return tool_calls_grammar(fmt.tools, fmt.parallel, tokenizer, llg_tokenizer)
-    raise ValueError(f"unknown output format {fmt.kind!r}")
+        rules = f"body: {_json_rule({'type': 'object'})}\n"
+    elif fmt.kind == "json_schema":
+        rules = f"body: {_json_rule(fmt.schema)}\n"
+    elif fmt.kind == "tool_calls":
+        rules = tool_calls_rules(fmt.tools, fmt.parallel, tokenizer, llg_tokenizer)
+    else:
+        raise ValueError(f"unknown output format {fmt.kind!r}")
+    if think != "none":
+        open_tag, close_tag = (_lark_literal(t, tokenizer, llg_tokenizer) for t in ("<think>", "</think>"))
+        rules += f"THINKING: /(?s:.*)/\nthought: THINKING {close_tag} /[ \\n]*/\n"
+        rules += "start: thought body\n" if think == "open" else f"start: ({open_tag} thought)? body\n"
+    else:
+        rules += "start: body\n"
+    return lark_grammar(rules)
 
 
-def constraint_for(fmt, tokenizer, vocab_size: int, eos_ids: Iterable[int]) -> CompiledGrammar:
-    """The compiled constraint of an OutputFormat for one model's tokenizer (GrammarError when refused).
-    Blocking (tokenizer table on first use, grammar build): call it off the event loop."""
+def think_mode(tokenizer, prompt_in_reasoning: bool, thinking: bool) -> str:
+    """How a constrained output may think: "open" when the prompt left a think block open, "optional" when
+    thinking is on and the vocabulary has the think tags, else "none"."""
+    if tokenizer.id_of("<think>") is None or tokenizer.id_of("</think>") is None:
+        return "none"
+    return "open" if prompt_in_reasoning else "optional" if thinking else "none"
+
+
+def constraint_for(fmt, tokenizer, vocab_size: int, eos_ids: Iterable[int], think: str = "none") -> CompiledGrammar:
+    """The compiled constraint of an OutputFormat for one model's tokenizer (GrammarError when refused); `think`
+    as grammar_for's. Blocking (tokenizer table on first use, grammar build): call it off the event loop."""
     llg_tokenizer = grammar_tokenizer(tokenizer, vocab_size, eos_ids)
     try:
-        grammar = grammar_for(fmt, tokenizer, llg_tokenizer)
+        grammar = grammar_for(fmt, tokenizer, llg_tokenizer, think)
     except ValueError as e:                                   # llguidance: a schema that is not JSON-able
         raise GrammarError(_clean(str(e))) from None
     return compile_grammar(grammar, llg_tokenizer, vocab_size)
