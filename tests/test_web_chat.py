@@ -350,8 +350,17 @@ def test_an_image_is_attached_resized_and_answered_on_qwen3_vl(browser, tmp_path
         p = Page(browser, server.url + "/", amend={"max_tokens": 5, "ignore_eos": True})
         p.wait_ready()
         p.wait_for_selector("#attach:visible")
-        p.set_input_files("#file", files=[{"name": "wide.png", "mimeType": "image/png", "buffer": png(800, 600)}])
-        p.wait_for_selector(".att")
+        # attach by keyboard: the button opens the file chooser; two files, then one of them removed again
+        p.focus("#attach")
+        with p.expect_file_chooser() as chooser:
+            p.keyboard.press("Enter")
+        chooser.value.set_files([{"name": "wide.png", "mimeType": "image/png", "buffer": png(800, 600)},
+                                 {"name": "extra.png", "mimeType": "image/png", "buffer": png(64, 64)}])
+        p.wait_for_function("() => document.querySelectorAll('.att').length === 2")
+        p.focus(".att:nth-child(2) button")
+        p.keyboard.press("Enter")
+        p.wait_for_function("() => document.querySelectorAll('.att').length === 1")
+        assert p.get_attribute(".att img", "alt") == "wide.png"
         # a second one, dropped on the page
         dropped = base64.b64encode(png(300, 500)).decode()
         dt = p.evaluate_handle("""b64 => {
@@ -394,6 +403,12 @@ def test_a_text_model_refuses_a_dropped_image(browser, server):
         dt.items.add(new File([new Uint8Array([137, 80, 78, 71])], 'x.png', {type: 'image/png'})); return dt; }""")
     p.dispatch_event("body", "drop", {"dataTransfer": dt})
     p.wait_for_selector("#notice")
+    assert "does not read images" in p.inner_text("#notice") and p.locator(".att").count() == 0
+    p.evaluate("() => document.getElementById('notice').remove()")
+    p.evaluate("""() => { const dt = new DataTransfer();
+        dt.items.add(new File([new Uint8Array([137, 80, 78, 71])], 'x.png', {type: 'image/png'}));
+        document.getElementById('input').dispatchEvent(new ClipboardEvent('paste', {clipboardData: dt})); }""")
+    p.wait_for_selector("#notice")                                   # pasted: the same answer
     assert "does not read images" in p.inner_text("#notice") and p.locator(".att").count() == 0
     p.close()
 
