@@ -132,15 +132,19 @@ class NativeDecoder:
         return all(a.dtype == np.float32 and a.flags.c_contiguous for a in (*cache.k, *cache.v))
 
     def _cache_ptrs(self, cache):
-        ptrs = self._caches.get(cache)
-        if ptrs is None:
-            for a in (*cache.k, *cache.v):
+        """Pointer arrays of the cache's layers, kept with the arrays they point into: rebuilt whenever the cache
+        holds other arrays than when they were taken (a cache whose arrays were replaced, resized or freed
+        would otherwise hand C dangling addresses)."""
+        entry = self._caches.get(cache)
+        arrays = (*cache.k, *cache.v)
+        if entry is None or len(entry[2]) != len(arrays) or any(a is not b for a, b in zip(entry[2], arrays)):
+            for a in arrays:
                 if a.dtype != np.float32 or not a.flags.c_contiguous:
                     raise ValueError("the native decoder needs float32 contiguous KV caches")
             n = len(cache.k)
-            ptrs = ((_P * n)(*[a.ctypes.data for a in cache.k]), (_P * n)(*[a.ctypes.data for a in cache.v]))
-            self._caches[cache] = ptrs
-        return ptrs
+            entry = ((_P * n)(*[a.ctypes.data for a in cache.k]), (_P * n)(*[a.ctypes.data for a in cache.v]), arrays)
+            self._caches[cache] = entry
+        return entry[0], entry[1]
 
     def forward_layers(self, h: np.ndarray, cache, cos: np.ndarray, sin: np.ndarray,
                        layer_done=None) -> np.ndarray:

@@ -39,7 +39,7 @@ _SIGNATURES = {
     "kq_rms_norm": (None, [_P, _P, _I64, _I64, ctypes.c_float, _P]),
     "kq_rope": (None, [_P, _I64, _I64, _I64, _P, _P]),
     "kq_swiglu": (None, [_P, _P, _I64, _P]),
-    "kq_attention": (None, [_P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P]),
+    "kq_attention": (_I, [_P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P]),
     "kq_layer_norm": (None, [_P, _P, _P, _I64, _I64, ctypes.c_float, _P]),
     "kq_gelu_tanh": (None, [_P, _I64, _P]),
     "kq_self_attention": (_I, [_P, _I64, _I64, _I64, _P, _P, _P]),
@@ -125,6 +125,14 @@ def _ptr(a: np.ndarray) -> int:
     return a.ctypes.data
 
 
+def _check(rc: int, what: str) -> None:
+    """The C side's status: -2 is a failed allocation (MemoryError), any other non-zero a refused shape."""
+    if rc == -2:
+        raise MemoryError(f"{what}: the native library could not allocate its scratch memory")
+    if rc != 0:
+        raise ValueError(f"{what}: the native library refused the arguments ({rc})")
+
+
 def _f32(x: np.ndarray) -> np.ndarray:
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2:
@@ -163,7 +171,7 @@ def dequantize(qtype, w: np.ndarray) -> np.ndarray:
     qtype = QType(int(qtype))
     w, n = _rows(qtype, w)
     out = np.empty((w.shape[0], n), np.float32)
-    _lib.kq_dequantize(int(qtype), _ptr(w), w.shape[0], n, _ptr(out))
+    _check(_lib.kq_dequantize(int(qtype), _ptr(w), w.shape[0], n, _ptr(out)), "dequantize")
     return out
 
 
@@ -174,7 +182,7 @@ def get_rows(qtype, w: np.ndarray, ids: np.ndarray) -> np.ndarray:
     if ids.size and (ids.min() < 0 or ids.max() >= w.shape[0]):
         raise IndexError("row id out of range")
     out = np.empty((ids.size, n), np.float32)
-    _lib.kq_get_rows(int(qtype), _ptr(w), n, _ptr(ids), ids.size, _ptr(out))
+    _check(_lib.kq_get_rows(int(qtype), _ptr(w), n, _ptr(ids), ids.size, _ptr(out)), "get_rows")
     return out
 
 
@@ -186,7 +194,7 @@ def matmul(qtype, w: np.ndarray, x: np.ndarray) -> np.ndarray:
         raise ValueError(f"input width {x.shape[1]} != weight width {n}")
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
     if x.shape[0] and w.shape[0]:
-        _lib.kq_matmul(int(qtype), _ptr(w), w.shape[0], n, _ptr(x), x.shape[0], _ptr(out))
+        _check(_lib.kq_matmul(int(qtype), _ptr(w), w.shape[0], n, _ptr(x), x.shape[0], _ptr(out)), "matmul")
     return out
 
 
@@ -200,7 +208,7 @@ def repack_x8(qtype, w: np.ndarray) -> np.ndarray:
     if qtype not in (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q6_K):
         raise ValueError(f"{qtype.name} has no x8 layout")
     out = np.empty(((w.shape[0] + 7) // 8, x8_row_bytes(qtype, n)), np.uint8)
-    _lib.kq_repack_x8(int(qtype), _ptr(w), w.shape[0], n, _ptr(out))
+    _check(_lib.kq_repack_x8(int(qtype), _ptr(w), w.shape[0], n, _ptr(out)), "repack_x8")
     return out
 
 
@@ -217,7 +225,7 @@ def matmul_x8(qtype, w8: np.ndarray, rows: int, x: np.ndarray) -> np.ndarray:
         raise ValueError("x8 weights do not match rows and input width")
     out = np.empty((x.shape[0], rows), np.float32)
     if x.shape[0] and rows:
-        _lib.kq_matmul(int(qtype) | X8, _ptr(w8), rows, n, _ptr(x), x.shape[0], _ptr(out))
+        _check(_lib.kq_matmul(int(qtype) | X8, _ptr(w8), rows, n, _ptr(x), x.shape[0], _ptr(out)), "matmul_x8")
     return out
 
 
@@ -250,8 +258,8 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, S: int) -
     if not 0 < T <= S <= k_cache.shape[1]:
         raise ValueError("attention needs 0 < T <= S <= cache length")
     out = np.empty_like(q)
-    _lib.kq_attention(_ptr(q), _ptr(k_cache), _ptr(v_cache), k_cache.shape[1], T, S, H, k_cache.shape[0], hd,
-                      _ptr(out))
+    _check(_lib.kq_attention(_ptr(q), _ptr(k_cache), _ptr(v_cache), k_cache.shape[1], T, S, H, k_cache.shape[0],
+                             hd, _ptr(out)), "attention")
     return out
 
 
@@ -300,9 +308,11 @@ def bound_matmul(qtype, w: np.ndarray, x8: np.ndarray | None = None):
     if x8 is not None:
         w, wp, q = x8, x8.ctypes.data, int(qtype) | X8
 
-    def call(x: np.ndarray, _keep=w) -> np.ndarray:
+    def call(x: np.ndarray, _keep=w) -> np.ndarray:  # _keep: the array under wp lives as long as this function
         out = np.empty((x.shape[0], rows), np.float32)
-        f(q, wp, rows, n, x.ctypes.data, x.shape[0], out.ctypes.data)
+        rc = f(q, wp, rows, n, x.ctypes.data, x.shape[0], out.ctypes.data)
+        if rc:
+            _check(rc, "matmul")
         return out
     return call
 

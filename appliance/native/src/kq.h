@@ -63,8 +63,8 @@ typedef struct {
 void kq_rms_norm(const float *x, const float *w, int64_t T, int64_t n, float eps, float *out);
 void kq_rope(float *x, int64_t T, int64_t nh, int64_t hd, const float *cos, const float *sin);
 void kq_swiglu(const float *g, const float *u, int64_t n, float *out);
-void kq_attention(const float *q, const float *kc, const float *vc, int64_t max_len, int64_t T, int64_t S,
-                  int64_t H, int64_t KV, int64_t hd, float *out);
+int kq_attention(const float *q, const float *kc, const float *vc, int64_t max_len, int64_t T, int64_t S,
+                 int64_t H, int64_t KV, int64_t hd, float *out);
 
 /* vision tower operations (vision.c) */
 void kq_layer_norm(const float *x, const float *w, const float *b, int64_t T, int64_t n, float eps, float *out);
@@ -127,7 +127,7 @@ void kq_kernels_neondot(kq_kernels *k);
 
 #include <string.h>
 /* built for the baseline ISA and, on x86_64, cloned for AVX2 (chosen at load time by the dynamic linker) */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(KQ_NO_CLONES) /* no IFUNCs under TSan */
 #define KQ_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define KQ_CLONES

@@ -2,6 +2,8 @@
  * The row range is split across the pool in tiles of 4 rows; a tile kernel walks all T columns, so a
  * tile's weights are read from memory once and reused from cache.
  * Scalar kernels here define the arithmetic that the SIMD kernels and the numpy twins reproduce. */
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include "kq.h"
@@ -183,11 +185,17 @@ void kq_kernels_scalar(kq_kernels *k) {
 
 /* ---------------- dispatch ---------------- */
 
-static kq_kernels K;
-static int level = -1, level_max = 0;
+/* One filled table per level, built once (pthread_once) before any kernel runs; the level in use is an atomic
+ * pointer to one of them, so a change of level (tests, benches) never exposes a half-filled table to a
+ * thread in the middle of a product, and two threads making their first call at once cannot see an empty one. */
+static kq_kernels tables[3];
+static _Atomic(const kq_kernels *) active;
+static _Atomic int level;
+static int level_max;
+static pthread_once_t detect_once = PTHREAD_ONCE_INIT;
+#define K (*atomic_load_explicit(&active, memory_order_acquire))
 
-static void detect(void) {
-    if (level >= 0) return;
+static void detect_now(void) {
     level_max = KQ_SCALAR;
 #if defined(__x86_64__)
     __builtin_cpu_init();
@@ -199,25 +207,31 @@ static void detect(void) {
     level_max = KQ_SIMD;
     if (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) level_max = KQ_SIMD_DOT;
 #endif
+    for (int l = 0; l <= level_max; l++) {
+        kq_kernels_scalar(&tables[l]);
+#if defined(__x86_64__)
+        if (l == KQ_SIMD) kq_kernels_avx2(&tables[l]);
+        if (l == KQ_SIMD_DOT) kq_kernels_avx2vnni(&tables[l]);
+#elif defined(__aarch64__)
+        if (l == KQ_SIMD) kq_kernels_neon(&tables[l]);
+        if (l == KQ_SIMD_DOT) kq_kernels_neondot(&tables[l]);
+#endif
+    }
     const char *env = getenv("KESTREL_SIMD");
     int want = env && *env ? atoi(env) : level_max;
-    kq_set_simd_level(want);
+    want = want > level_max ? level_max : want < 0 ? 0 : want;
+    atomic_store(&level, want);
+    atomic_store_explicit(&active, &tables[want], memory_order_release);
 }
 
+static void detect(void) { pthread_once(&detect_once, detect_now); }
+
 int kq_set_simd_level(int want) {
-    if (level < 0) { level = 0; detect(); }
-    if (want > level_max) want = level_max;
-    if (want < 0) want = 0;
-    level = want;
-    kq_kernels_scalar(&K);
-#if defined(__x86_64__)
-    if (level == KQ_SIMD) kq_kernels_avx2(&K);
-    if (level == KQ_SIMD_DOT) kq_kernels_avx2vnni(&K);
-#elif defined(__aarch64__)
-    if (level == KQ_SIMD) kq_kernels_neon(&K);
-    if (level == KQ_SIMD_DOT) kq_kernels_neondot(&K);
-#endif
-    return level;
+    detect();
+    want = want > level_max ? level_max : want < 0 ? 0 : want;
+    atomic_store(&level, want);
+    atomic_store_explicit(&active, &tables[want], memory_order_release);
+    return want;
 }
 
 int kq_simd_level(void) { detect(); return level; }

@@ -2,6 +2,7 @@
  * the whole per-layer decoder sequence in one call (kq_forward), so a decode step costs one ctypes call
  * instead of a few hundred numpy calls. Twins: appliance/native/ops_numpy.py and engine/qwen3.py. */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include "kq.h"
@@ -61,12 +62,13 @@ typedef struct {
     const float *q, *kc, *vc;
     float *out;
     int64_t max_len, T, S, H, KV, hd;
+    _Atomic int err; /* a task could not get its scratch: the result is incomplete */
 } attn_ctx;
 
 KQ_CLONES static void attn_task(void *c_, int64_t a, int64_t b) { /* (head, token) pairs a .. b-1 */
     const attn_ctx *c = c_;
     float *p = kq_scratch(2, (size_t)(c->S + c->hd) * sizeof(float));
-    if (!p) return;
+    if (!p) { atomic_store(&((attn_ctx *)c_)->err, 1); return; }
     float *acc = p + c->S;
     const float scale = (float)(1.0 / sqrt((double)c->hd));
     int64_t rep = c->H / c->KV;
@@ -93,10 +95,11 @@ KQ_CLONES static void attn_task(void *c_, int64_t a, int64_t b) { /* (head, toke
     }
 }
 
-void kq_attention(const float *q, const float *kc, const float *vc, int64_t max_len, int64_t T, int64_t S,
-                  int64_t H, int64_t KV, int64_t hd, float *out) {
-    attn_ctx c = {q, kc, vc, out, max_len, T, S, H, KV, hd};
+int kq_attention(const float *q, const float *kc, const float *vc, int64_t max_len, int64_t T, int64_t S,
+                 int64_t H, int64_t KV, int64_t hd, float *out) {
+    attn_ctx c = {q, kc, vc, out, max_len, T, S, H, KV, hd, 0};
     kq_parallel_for(H * T, 1, attn_task, &c);
+    return atomic_load(&c.err) ? -2 : 0;
 }
 
 /* ---- the decoder layers ---- */
@@ -139,7 +142,7 @@ int kq_forward(const kq_model *m, float *const *k_cache, float *const *v_cache, 
                 memcpy(kc + (j * max_len + pos + t) * hd, k + (t * KV + j) * hd, (size_t)hd * 4);
                 memcpy(vc + (j * max_len + pos + t) * hd, v + (t * KV + j) * hd, (size_t)hd * 4);
             }
-        kq_attention(q, kc, vc, max_len, T, pos + T, H, KV, hd, att);
+        rc |= kq_attention(q, kc, vc, max_len, T, pos + T, H, KV, hd, att);
         rc |= linear(&L->o, att, T, o);
         for (int64_t i = 0; i < T * D; i++) h[i] += o[i];
         kq_rms_norm(h, L->mlp_norm, T, D, m->eps, xn);

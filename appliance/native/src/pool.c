@@ -2,7 +2,9 @@
  * workers) claims chunks from one atomic counter until none are left, so a worker the OS has descheduled
  * (shared machines, little cores) delays the job by at most one chunk instead of a static share.
  * Workers spin briefly after each job (decode issues jobs back to back), then sleep on a condition
- * variable. The caller is thread 0; threads may be pinned to given CPUs. Which thread computes an item
+ * variable; the poster likewise spins briefly for the job's last chunks, then sleeps until the last one ends,
+ * so a pool that does not have every core to itself (a browser on the same board) yields them instead of
+ * burning its time slices. The caller is thread 0; threads may be pinned to given CPUs. Which thread computes an item
  * never changes its result. */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -25,22 +27,26 @@ static inline void cpu_relax(void) {
 }
 
 static struct {
-    int nth;
+    _Atomic int nth;               /* read without a lock by callers: a stale value only changes who runs a job */
     pthread_t th[KQ_MAX_THREADS];
-    int cpus[KQ_MAX_THREADS];
+    int cpus[KQ_MAX_THREADS];      /* written under job_mu; read by the job's poster (holding it) and new workers */
     int ncpus;
     _Atomic unsigned gen;          /* bumped per job: wakes the workers */
     unsigned start_gen;            /* gen when the workers were created */
     _Atomic uint64_t work;         /* (job gen << 32) | next item: claims are tied to their job */
     _Atomic int64_t done;          /* items finished in the current job */
     _Atomic int stop;
-    kq_range_fn fn;
-    void *ctx;
-    int64_t n, chunk;
+    /* the posted job: written before `work` is released, read (relaxed) by claimants after acquiring it; a
+     * claimant that read them for a job that has since changed fails its compare-exchange and drops them */
+    _Atomic(kq_range_fn) fn;
+    _Atomic(void *) ctx;
+    _Atomic int64_t n, chunk;
+    _Atomic int caller_sleeping;   /* the poster gave up spinning and waits on done_cv */
     pthread_mutex_t mu;
-    pthread_cond_t cv;
-    long pinned_tid;
-} P = {.nth = 1, .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    pthread_cond_t cv, done_cv;
+    long pinned_tid;               /* under job_mu */
+} P = {.nth = 1, .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER,
+       .done_cv = PTHREAD_COND_INITIALIZER};
 
 static pthread_mutex_t config_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t job_mu = PTHREAD_MUTEX_INITIALIZER; /* held while a job is posted */
@@ -57,16 +63,21 @@ static void run_chunks(unsigned g) {
     for (;;) {
         uint64_t w = atomic_load_explicit(&P.work, memory_order_acquire);
         if ((unsigned)(w >> 32) != g) return;
-        kq_range_fn fn = P.fn;
-        void *ctx = P.ctx;
-        int64_t n = P.n, chunk = P.chunk, i = (int64_t)(w & 0xffffffffu);
+        kq_range_fn fn = atomic_load_explicit(&P.fn, memory_order_relaxed);
+        void *ctx = atomic_load_explicit(&P.ctx, memory_order_relaxed);
+        int64_t n = atomic_load_explicit(&P.n, memory_order_relaxed);
+        int64_t chunk = atomic_load_explicit(&P.chunk, memory_order_relaxed), i = (int64_t)(w & 0xffffffffu);
         if (i >= n) return;
         int64_t e = i + chunk < n ? i + chunk : n;
         if (!atomic_compare_exchange_weak_explicit(&P.work, &w, ((uint64_t)g << 32) | (uint64_t)e,
                                                    memory_order_acq_rel, memory_order_acquire))
             continue; /* lost the race, or the job changed: fields read above are discarded */
         fn(ctx, i, e);
-        atomic_fetch_add_explicit(&P.done, e - i, memory_order_release);
+        if (atomic_fetch_add(&P.done, e - i) + (e - i) >= n && atomic_load(&P.caller_sleeping)) {
+            pthread_mutex_lock(&P.mu); /* the last chunk: wake a poster that stopped spinning */
+            pthread_cond_broadcast(&P.done_cv);
+            pthread_mutex_unlock(&P.mu);
+        }
     }
 }
 
@@ -95,9 +106,9 @@ static void stop_workers(void) {
     atomic_store(&P.stop, 1);
     pthread_cond_broadcast(&P.cv);
     pthread_mutex_unlock(&P.mu);
-    for (int i = 1; i < P.nth; i++) pthread_join(P.th[i], NULL);
+    for (int i = 1; i < atomic_load(&P.nth); i++) pthread_join(P.th[i], NULL);
     atomic_store(&P.stop, 0);
-    P.nth = 1;
+    atomic_store(&P.nth, 1);
 }
 
 int kq_set_threads(int n, const int *cpus, int ncpus) {
@@ -116,27 +127,30 @@ int kq_set_threads(int n, const int *cpus, int ncpus) {
         if (pthread_create(&P.th[i], NULL, worker, (void *)(intptr_t)i) != 0) break;
         started++;
     }
-    P.nth = started;
+    atomic_store(&P.nth, started);
     pthread_mutex_unlock(&job_mu);
     pthread_mutex_unlock(&config_mu);
     return started;
 }
 
-int kq_get_threads(void) { return P.nth; }
+int kq_get_threads(void) { return atomic_load(&P.nth); }
 
 void kq_parallel_for(int64_t n, int64_t chunk, kq_range_fn fn, void *ctx) {
     if (n <= 0) return;
-    if (P.ncpus > 0) {
+    if (chunk < 1) chunk = 1;
+    /* one job at a time: a second caller thread (or a task calling back in) runs its job alone, unpinned */
+    if (atomic_load_explicit(&P.nth, memory_order_relaxed) == 1 || n <= chunk || pthread_mutex_trylock(&job_mu) != 0) {
+        fn(ctx, 0, n);
+        return;
+    }
+    if (P.ncpus > 0) { /* the thread that posts jobs is thread 0 of the plan */
         long tid = syscall(SYS_gettid);
         if (tid != P.pinned_tid) { pin_self(P.cpus[0]); P.pinned_tid = tid; }
     }
-    if (chunk < 1) chunk = 1;
-    /* one job at a time: a second caller thread (or a task calling back in) runs its job alone */
-    if (P.nth == 1 || n <= chunk || pthread_mutex_trylock(&job_mu) != 0) { fn(ctx, 0, n); return; }
-    P.fn = fn;
-    P.ctx = ctx;
-    P.n = n;
-    P.chunk = chunk;
+    atomic_store_explicit(&P.fn, fn, memory_order_relaxed);
+    atomic_store_explicit(&P.ctx, ctx, memory_order_relaxed);
+    atomic_store_explicit(&P.n, n, memory_order_relaxed);
+    atomic_store_explicit(&P.chunk, chunk, memory_order_relaxed);
     atomic_store_explicit(&P.done, 0, memory_order_relaxed);
     pthread_mutex_lock(&P.mu);
     unsigned g = atomic_load(&P.gen) + 1;
@@ -145,15 +159,21 @@ void kq_parallel_for(int64_t n, int64_t chunk, kq_range_fn fn, void *ctx) {
     pthread_cond_broadcast(&P.cv);
     pthread_mutex_unlock(&P.mu);
     run_chunks(g);
-    int spins = 0;
-    while (atomic_load_explicit(&P.done, memory_order_acquire) < n) {
-        if (++spins < SPIN_LIMIT) cpu_relax(); else sched_yield();
+    /* spin briefly (the usual case: the others finish their last chunks within microseconds), then sleep: a
+     * worker the OS descheduled (a busy process on the same cores) gets the core instead of our spinning */
+    for (int spins = 0; atomic_load_explicit(&P.done, memory_order_acquire) < n; spins++) {
+        if (spins < SPIN_LIMIT) { cpu_relax(); continue; }
+        atomic_store(&P.caller_sleeping, 1);
+        pthread_mutex_lock(&P.mu);
+        while (atomic_load(&P.done) < n) pthread_cond_wait(&P.done_cv, &P.mu);
+        pthread_mutex_unlock(&P.mu);
+        atomic_store(&P.caller_sleeping, 0);
     }
     pthread_mutex_unlock(&job_mu);
 }
 
 int64_t kq_chunk_for(int64_t n) { /* about 4 claims per thread: balance without much contention */
-    int64_t c = n / (4 * (int64_t)P.nth);
+    int64_t c = n / (4 * (int64_t)atomic_load_explicit(&P.nth, memory_order_relaxed));
     return c < 1 ? 1 : c;
 }
 
@@ -162,6 +182,7 @@ int64_t kq_chunk_for(int64_t n) { /* about 4 claims per thread: balance without 
 void *kq_scratch(int slot, size_t bytes) {
     static __thread void *buf[4];
     static __thread size_t cap[4];
+    if (slot < 0 || slot >= 4) return NULL;
     if (bytes > cap[slot]) {
         free(buf[slot]);
         buf[slot] = malloc(bytes);

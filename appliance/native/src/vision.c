@@ -78,7 +78,7 @@ typedef struct {
     float *q, *k, *vt, *out; /* q, k: (H, N, hd) after RoPE (q scaled); vt: (H, hd, N) */
     int64_t N, H, hd;
     float scale;
-    int err;
+    _Atomic int err; /* set by any task whose scratch allocation failed */
 } sa_ctx;
 
 static void sa_prep(void *c_, int64_t a, int64_t z) { /* patches a .. z-1 */
