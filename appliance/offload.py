@@ -16,6 +16,7 @@ Policies:
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import ctypes.util
 import threading
@@ -72,6 +73,11 @@ class LoopLag:
         self.total_s = 0.0
         self._window: list[float] = [0.0, 0.0]  # worst in the previous and the current window
         self._window_start = 0.0
+        self.history: collections.deque = collections.deque(maxlen=4096)  # (trio time, lateness): ~80 s
+
+    def worst_between(self, t0: float, t1: float) -> float:
+        """Worst lateness of the wake-ups due between t0 and t1 (trio clock)."""
+        return max((late for t, late in list(self.history) if t0 <= t - late <= t1), default=0.0)
 
     @property
     def recent_s(self) -> float:
@@ -86,6 +92,7 @@ class LoopLag:
         self._window[1] = max(self._window[1], late)
         self.max_s = max(self.max_s, late)
         self.stalls += late > self.STALL_S
+        self.history.append((now, late))
         self.samples += 1
         self.total_s += late
 

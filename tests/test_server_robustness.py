@@ -18,6 +18,7 @@ import threading
 import time
 
 import pytest
+import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.live_server import LiveServer, RawClient, chat_body, request_bytes
@@ -94,6 +95,21 @@ def assert_gaps_normal(quiet: list[float], attack: list[float]) -> None:
     assert max(attack) < 1.0, max(attack)
 
 
+def loop_now(server) -> float:
+    return trio.from_thread.run_sync(trio.current_time, trio_token=server.token)
+
+
+def assert_loop_responsive(server, quiet: tuple[float, float], attack: tuple[float, float]) -> None:
+    """The server's own lag probe: no wake-up during the attack came later than 100 ms, or (on a loaded,
+    shared machine, where the OS alone delays threads) later than half as much again as the worst of a quiet
+    window of the same server just before. A blocked loop shows as seconds."""
+    lag = server.api.loop_lag
+    worst_quiet, worst_attack = lag.worst_between(*quiet), lag.worst_between(*attack)
+    assert worst_attack < max(LAG_BOUND_S, 1.5 * worst_quiet), (worst_attack, worst_quiet)
+    m = metrics(server)
+    assert m[("kestrel_event_loop_lag_max_seconds", ())] >= worst_attack - 1e-6
+
+
 class BackgroundStream:
     """A long stream read in a thread: the token gaps another client sees while the test attacks."""
 
@@ -145,9 +161,10 @@ def test_huge_prompt_does_not_stall_the_loop_or_other_streams(server):
     assert 3_800_000 < len(body) < 4 * 1024 * 1024
     bg = BackgroundStream(server)
     try:
-        time.sleep(0.3)
+        q0 = loop_now(server)
+        time.sleep(2.0)
         quiet = bg.gaps_between(0, time.perf_counter())
-        stalls_before = metrics(server)[("kestrel_event_loop_stalls_total", ())]
+        q1 = loop_now(server)
         health = []
 
         def poll_health():
@@ -161,7 +178,7 @@ def test_huge_prompt_does_not_stall_the_loop_or_other_streams(server):
                 time.sleep(0.05)
         poller = threading.Thread(target=poll_health)
         with PeakRss() as mem:
-            t0 = time.perf_counter()
+            t0, a0 = time.perf_counter(), loop_now(server)
             poller.start()
             results = []
             threads = [threading.Thread(target=lambda: results.append(post(server, body))) for _ in range(3)]
@@ -170,9 +187,8 @@ def test_huge_prompt_does_not_stall_the_loop_or_other_streams(server):
             for t in threads:
                 t.join(60)
             poller.join(30)
-            t1 = time.perf_counter()
+            t1, a1 = time.perf_counter(), loop_now(server)
         attack_gaps = bg.gaps_between(t0, t1)
-        m = metrics(server)
     finally:
         bg.close()
     for r, payload in results:
@@ -181,7 +197,7 @@ def test_huge_prompt_does_not_stall_the_loop_or_other_streams(server):
     assert len(results) == 3
     assert_gaps_normal(quiet, attack_gaps)
     assert max(health) < 1.0, health
-    assert m[("kestrel_event_loop_stalls_total", ())] == stalls_before, "the loop woke >100 ms late"
+    assert_loop_responsive(server, (q0, q1), (a0, a1))
     assert mem.growth < 150 * 2**20, f"RSS grew {mem.growth / 2**20:.0f} MB for three 3.9 MB prompts"
 
 
@@ -207,6 +223,7 @@ def test_content_length_with_transfer_encoding_is_refused_and_closes(server):
 # ---- 8: /metrics counts disconnected and queued-cancelled requests ---------------------------------------
 
 def test_metrics_count_disconnected_and_abandoned_requests(server):
+    server.wait_for(lambda: not server.worker.busy and server.worker.waiting == 0, what="an idle server")
     before = metrics(server)
     a = RawClient(server.port)
     a.send(request_bytes("POST", "/v1/chat/completions",
@@ -216,6 +233,7 @@ def test_metrics_count_disconnected_and_abandoned_requests(server):
     b = RawClient(server.port)  # queued behind a
     b.send(request_bytes("POST", "/v1/chat/completions", chat_body("Next", stream=True, max_tokens=5)))
     rb = b.read_head()
+    assert rb.status == 200
     b.read_events(rb, stop_after=1)
     server.wait_for(lambda: server.worker.waiting == 1, what="b to queue")
     b.close()   # gone while queued
@@ -294,16 +312,18 @@ def test_four_8000x8000_pngs_with_no_queue(vl_server):
     decoded_before = before[("kestrel_images_decoded_total", ())]
     bg = BackgroundStream(vl_server, max_tokens=3000)
     try:
-        time.sleep(0.3)
+        q0 = loop_now(vl_server)
+        time.sleep(1.5)
+        q1 = loop_now(vl_server)
         results = []
         with PeakRss() as mem:
             threads = [threading.Thread(target=lambda: results.append(post(vl_server, body))) for _ in range(4)]
-            t0 = time.perf_counter()
+            t0, a0 = time.perf_counter(), loop_now(vl_server)
             for t in threads:
                 t.start()
             for t in threads:
                 t.join(60)
-            t1 = time.perf_counter()
+            t1, a1 = time.perf_counter(), loop_now(vl_server)
         m = metrics(vl_server)
         quiet = bg.gaps_between(0, t0)
         gaps = bg.gaps_between(t0, t1)
@@ -312,7 +332,7 @@ def test_four_8000x8000_pngs_with_no_queue(vl_server):
     assert sorted(r.status for r, _ in results) == [429] * 4
     assert max(t1 - t0, 0) < 5
     assert m.get(("kestrel_images_decoded_total", ()), 0) == decoded_before
-    assert m[("kestrel_event_loop_stalls_total", ())] == before[("kestrel_event_loop_stalls_total", ())]
+    assert_loop_responsive(vl_server, (q0, q1), (a0, a1))
     if len(gaps) > 1:
         assert_gaps_normal(quiet, gaps)
     assert mem.growth < 100 * 2**20, f"RSS grew {mem.growth / 2**20:.0f} MB"

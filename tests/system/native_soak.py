@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         from tests.support.gguf_files import fetch_smollm2
         args.model = fetch_smollm2()
     from appliance.engine.generate import GenerationRequest
-    from appliance.engine.model_dir import load_model
+    from appliance.engine.load import load_model
     from appliance.engine.sampling import SamplingParams
 
     print(f"library {kernels._lib._name} ({kernels.simd_name()}), model {os.path.basename(args.model)}", flush=True)
