@@ -140,6 +140,7 @@
       const models = await (await api("v1/models")).json();
       S.model = models.data[0].id;
       ui.model.textContent = S.model;
+      ui.model.title = S.model;
       $("empty-model").textContent = S.model;
       document.title = S.model + " · Kestrel chat";
     } catch (e) { /* shown by the health line */ }
