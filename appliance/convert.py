@@ -2,7 +2,9 @@
 on any machine, into a GGUF file that both this engine and llama.cpp load.
 
 Policies:
-- Architectures: qwen3, qwen2, llama (dense). The file carries what llama.cpp needs to run it on its own:
+- Architectures: qwen3, qwen2, llama (dense) and qwen3_moe (experts per-expert or transformers-5 fused, stacked
+  per projection as llama.cpp's qwen3moe stores them). Tensor names come from engine/load/names.py, the table
+  the loaders use too. The file carries what llama.cpp needs to run it on its own:
   architecture hyper-parameters, the byte-level BPE tokenizer (`gpt2` model, `pre` chosen from the
   tokenizer.json split regex, tokens padded to the embedding size, token types, merges), special ids,
   add_bos flag and the chat template.
@@ -21,6 +23,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,19 +31,6 @@ TYPES = {"f32": "F32", "f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
 FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0"}
 ARCHITECTURES = ("qwen3", "qwen2", "llama", "qwen3_moe")
 GGUF_ARCH = {"qwen3_moe": "qwen3moe"}  # Hugging Face model_type -> llama.cpp architecture name, where they differ
-LAYER_NAMES = {  # Hugging Face name inside model.layers.N. -> GGUF name inside blk.N.
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-
-
 class ConvertError(Exception):
     """The input cannot be converted; the message is one line for the user."""
 
@@ -145,25 +135,65 @@ def write_hparams(writer, cfg, name: str, file_type: str, moe=None) -> None:
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
-def tensor_plan(st, cfg, moe=None) -> list[tuple[str, str | tuple[str, ...], str | None]]:
-    """(gguf name, safetensors name, permute: 'q' | 'k' | None) in llama.cpp's usual order. A mixture-of-experts
-    layer's experts are stacked into one tensor per projection: the name is then a tuple, one per expert."""
-    plan = [("token_embd.weight", "model.embed_tokens.weight", None)]
+@dataclass(frozen=True)
+class Source:
+    """Where one GGUF tensor's values come from: one checkpoint tensor, or one per expert stacked into (E, out,
+    in), or one half of transformers-5's fused gate_up tensor (E, 2I, H) (`half` 0: gate rows, 1: up rows)."""
+    names: tuple[str, ...]
+    stacked: bool = False
+    half: int | None = None
+    permute: str | None = None  # 'q' | 'k': llama.cpp's row permutation (llama architecture only)
+
+    def shape(self, st) -> tuple[int, ...]:
+        shape = tuple(st.raw(self.names[0])[0].shape)
+        if self.stacked:
+            return (len(self.names),) + shape
+        if self.half is not None:
+            return (shape[0], shape[1] // 2) + shape[2:]
+        return shape
+
+    def load(self, st, cfg) -> np.ndarray:
+        from appliance.engine.safetensors import to_float32
+
+        if self.stacked:
+            return np.stack([to_float32(*st.raw(n)) for n in self.names])  # (E, out, in)
+        w = to_float32(*st.raw(self.names[0]))
+        if self.half is not None:
+            rows = w.shape[1] // 2
+            return np.ascontiguousarray(w[:, self.half * rows:(self.half + 1) * rows])  # (E, I, H)
+        if self.permute is not None and cfg.model_type == "llama":
+            heads = cfg.num_attention_heads if self.permute == "q" else cfg.num_key_value_heads
+            w = permute_rows(w, heads)
+        return w
+
+
+def tensor_plan(st, cfg, moe=None) -> list[tuple[str, Source]]:
+    """(gguf name, Source) in llama.cpp's usual order, named through the one table (engine/load/names.py). A
+    mixture-of-experts layer's experts become one stacked tensor per projection."""
+    from appliance.engine.load.names import EXPERT_PROJECTIONS, LAYER_TENSORS, HFNames, gguf_experts, gguf_layer
+    from appliance.engine.load.names import gguf_model
+
+    hf = HFNames()
+    plan = [(gguf_model("embed"), Source((hf.model("embed"),)))]
     for i in range(cfg.num_hidden_layers):
-        for hf, gg in LAYER_NAMES.items():
-            name = f"model.layers.{i}.{hf}"
-            if name in st:
-                perm = gg.split(".")[0][-1] if gg.startswith(("attn_q.", "attn_k.")) else None
-                plan.append((f"blk.{i}.{gg}", name, perm))
-        router = f"model.layers.{i}.mlp.gate.weight"
-        if moe is not None and router in st:
-            plan.append((f"blk.{i}.ffn_gate_inp.weight", router, None))
-            for proj in ("gate", "up", "down"):
-                experts = tuple(f"model.layers.{i}.mlp.experts.{j}.{proj}_proj.weight" for j in range(moe.num_experts))
-                plan.append((f"blk.{i}.ffn_{proj}_exps.weight", experts, None))
-    plan.append(("output_norm.weight", "model.norm.weight", None))
-    if not cfg.tie_word_embeddings and "lm_head.weight" in st:
-        plan.append(("output.weight", "lm_head.weight", None))
+        for role in LAYER_TENSORS:
+            if role != "router" and hf.layer(i, role) in st:
+                plan.append((gguf_layer(i, role), Source((hf.layer(i, role),),
+                                                         permute=role if role in ("q", "k") else None)))
+        if moe is None or hf.layer(i, "router") not in st:
+            continue
+        plan.append((gguf_layer(i, "router"), Source((hf.layer(i, "router"),))))
+        fused = hf.fused_experts(i, "gate_up") in st
+        for half, proj in enumerate(EXPERT_PROJECTIONS):
+            if fused:
+                src = (Source((hf.fused_experts(i, "down"),)) if proj == "down"
+                       else Source((hf.fused_experts(i, "gate_up"),), half=half))
+            else:
+                src = Source(tuple(hf.expert(i, j, proj) for j in range(moe.num_experts)), stacked=True)
+            plan.append((gguf_experts(i, proj), src))
+    plan.append((gguf_model("norm"), Source((hf.model("norm"),))))
+    if not cfg.tie_word_embeddings and hf.model("lm_head") in st:
+        plan.append((gguf_model("lm_head"), Source((hf.model("lm_head"),))))
     return plan
 
 
@@ -205,7 +235,7 @@ def convert(model_dir: str, out_path: str, type_name: str, progress_stream=None)
     import gguf
 
     from appliance.engine.config import Qwen3Config
-    from appliance.engine.safetensors import SafeTensors, to_float32
+    from appliance.engine.safetensors import SafeTensors
 
     if type_name not in TYPES:
         raise ConvertError(f"unknown type {type_name!r} (choose from {', '.join(TYPES)})")
@@ -234,20 +264,10 @@ def convert(model_dir: str, out_path: str, type_name: str, progress_stream=None)
     write_hparams(writer, cfg, os.path.basename(os.path.abspath(model_dir)), FILE_TYPES[type_name], moe)
     write_tokenizer(writer, model_dir, cfg.vocab_size, cfg_dict)
     plan = tensor_plan(st, cfg, moe)
-    heads = {"q": cfg.num_attention_heads, "k": cfg.num_key_value_heads}
-
-    def load(hf_name: str | tuple[str, ...], perm: str | None) -> np.ndarray:
-        if isinstance(hf_name, tuple):
-            return np.stack([to_float32(*st.raw(n)) for n in hf_name])  # (E, out, in)
-        w = to_float32(*st.raw(hf_name))
-        if perm is not None and cfg.model_type == "llama":
-            w = permute_rows(w, heads[perm])
-        return w
-
     infos = []
-    for gg_name, hf_name, perm in plan:  # shapes and sizes first: the header precedes the data
+    for gg_name, src in plan:  # shapes and sizes first: the header precedes the data
         router = gg_name.endswith("ffn_gate_inp.weight")
-        shape = (len(hf_name),) + st.raw(hf_name[0])[0].shape if isinstance(hf_name, tuple) else st.raw(hf_name)[0].shape
+        shape = src.shape(st)
         one_row, qtype = encode_tensor(np.zeros((1, shape[-1]) if len(shape) >= 2 else shape, np.float32),
                                        TYPES[type_name], router)
         byte_shape = tuple(shape[:-1]) + one_row.shape[1:] if len(shape) >= 2 else one_row.shape
@@ -258,8 +278,8 @@ def convert(model_dir: str, out_path: str, type_name: str, progress_stream=None)
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     bar = Progress(sum(infos), progress_stream or sys.stderr)
-    for (gg_name, hf_name, perm), nbytes in zip(plan, infos):
-        arr, _ = encode_tensor(load(hf_name, perm), TYPES[type_name], gg_name.endswith("ffn_gate_inp.weight"))
+    for (gg_name, src), nbytes in zip(plan, infos):
+        arr, _ = encode_tensor(src.load(st, cfg), TYPES[type_name], gg_name.endswith("ffn_gate_inp.weight"))
         writer.write_tensor_data(arr)
         bar.advance(nbytes, gg_name)
     writer.close()

@@ -6,6 +6,7 @@ import pytest
 from appliance import convert
 from appliance.engine.load import load_model
 from appliance.engine.qwen3_moe import SparseMoE
+from appliance.engine.safetensors import SafeTensors
 from tests.support.gguf_files import peer_module
 
 PROMPT = [151644, 872, 198, 9707, 11, 1246, 525, 498, 30, 151645, 198, 151644, 77091, 198]
@@ -58,6 +59,27 @@ def test_quantized_experts_are_read_in_place(moe_files):
     m.expert_stats.reset()
     m.forward(np.array([9707]), cache, "last")
     assert m.expert_stats.expert_calls == 4 * len(m.layers)
+
+
+def test_fused_experts_load_and_convert_like_per_expert_ones(tiny_qwen3_moe, moe_files, tmp_path):
+    """transformers-5's fused expert tensors (gate_up_proj, down_proj): the loader serves the same model and
+    convert writes the same GGUF tensors as from the published per-expert tensors."""
+    from gguf import GGUFReader
+
+    from tests.support.tiny_models import fuse_experts
+
+    fused = fuse_experts(tiny_qwen3_moe, str(tmp_path / "fused"))
+    assert not any(".experts.0." in k for k in SafeTensors(fused).keys())
+    a, b = load_model(tiny_qwen3_moe).model, load_model(fused).model
+    assert np.array_equal(a.forward(np.array(PROMPT), a.new_cache(64), "all"),
+                          b.forward(np.array(PROMPT), b.new_cache(64), "all"))
+    path = str(tmp_path / "fused-q8_0.gguf")
+    assert convert.main([fused, path, "--type", "q8_0"]) == 0
+    want = {t.name: t for t in GGUFReader(moe_files["q8_0"]).tensors}
+    got = {t.name: t for t in GGUFReader(path).tensors}
+    assert list(got) == list(want) and "blk.0.ffn_gate_exps.weight" in got
+    for name, t in want.items():
+        assert got[name].tensor_type == t.tensor_type and np.array_equal(got[name].data, t.data), name
 
 
 def test_convert_refuses_what_llama_cpp_would_compute_differently(tiny_qwen3_moe_unnormed, tmp_path, capsys):

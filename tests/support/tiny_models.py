@@ -125,3 +125,28 @@ def thinking_copy(model_dir: str, out_dir: str) -> str:
     with open(os.path.join(out_dir, "chat_template.jinja"), "w", encoding="utf-8") as f:
         f.write(opened)
     return out_dir
+
+
+def fuse_experts(src_dir: str, out_dir: str) -> str:
+    """A copy of a Qwen3-MoE checkpoint with its experts in transformers-5's fused in-memory layout:
+    `mlp.experts.gate_up_proj` (E, 2I, H) (gate rows first) and `mlp.experts.down_proj` (E, H, I), bits unchanged."""
+    import re
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src_dir, out_dir)
+    tensors = load_file(os.path.join(src_dir, "model.safetensors"))
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        m = re.match(r"(.*\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$", name)
+        if m:
+            experts.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = t
+        else:
+            out[name] = t
+    for prefix, by_proj in experts.items():
+        stack = {p: torch.stack([by_proj[p][j] for j in range(len(by_proj[p]))]) for p in by_proj}
+        out[prefix + "gate_up_proj"] = torch.cat([stack["gate"], stack["up"]], dim=1).contiguous()
+        out[prefix + "down_proj"] = stack["down"].contiguous()
+    save_file(out, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    return out_dir

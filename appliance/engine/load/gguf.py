@@ -31,6 +31,7 @@ from ..qwen3_moe import ExpertLoadStats, Experts, MoEConfig, SparseMoE
 from ..quant_weights import QuantWeight
 from ..weights import DenseWeight
 from . import Checkpoint, LoadOptions, ModelLoadError
+from .names import EXPERT_PROJECTIONS, gguf_experts, gguf_layer, gguf_model
 
 SUPPORTED_ARCHITECTURES = ("qwen3", "qwen2", "llama", "qwen3moe")
 # GGUF general.sampling.* -> generation_config.json names (what LoadedModel.default_sampling holds)
@@ -139,8 +140,8 @@ def config_from_metadata(meta: dict[str, Any], f: GGUFModelFile) -> Qwen3Config:
         num_attention_heads=heads, num_key_value_heads=int(key("attention.head_count_kv", heads)),
         head_dim=head_dim, rms_norm_eps=f32_value(key("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=f32_value(key("rope.freq_base", 10000.0)), max_position_embeddings=int(key("context_length")),
-        tie_word_embeddings="output.weight" not in f,
-        qk_norm="blk.0.attn_q_norm.weight" in f, attention_bias="blk.0.attn_q.bias" in f)
+        tie_word_embeddings=gguf_model("lm_head") not in f,
+        qk_norm=gguf_layer(0, "q_norm") in f, attention_bias=gguf_layer(0, "q_bias") in f)
 
 
 def build_model(cfg: Qwen3Config, f: GGUFModelFile, meta: dict[str, Any] | None = None) -> qwen3.Qwen3Model:
@@ -151,7 +152,8 @@ def build_model(cfg: Qwen3Config, f: GGUFModelFile, meta: dict[str, Any] | None 
     q_order = unpermute_rows(cfg.num_attention_heads * cfg.head_dim, cfg.num_attention_heads) if permuted else None
     k_order = unpermute_rows(cfg.num_key_value_heads * cfg.head_dim, cfg.num_key_value_heads) if permuted else None
 
-    def opt(name, order=None):
+    def opt(i, role, order=None):
+        name = gguf_layer(i, role)
         if name not in f:
             return None
         v = f.vector(name)
@@ -159,21 +161,18 @@ def build_model(cfg: Qwen3Config, f: GGUFModelFile, meta: dict[str, Any] | None 
 
     layers = []
     for i in range(cfg.num_hidden_layers):
-        p = f"blk.{i}."
         attn = qwen3.Attention(
-            q=f.matrix(p + "attn_q.weight", q_order), k=f.matrix(p + "attn_k.weight", k_order),
-            v=f.matrix(p + "attn_v.weight"), o=f.matrix(p + "attn_output.weight"),
-            q_norm=opt(p + "attn_q_norm.weight"), k_norm=opt(p + "attn_k_norm.weight"),
-            q_bias=opt(p + "attn_q.bias", q_order), k_bias=opt(p + "attn_k.bias", k_order),
-            v_bias=opt(p + "attn_v.bias"))
+            q=f.matrix(gguf_layer(i, "q"), q_order), k=f.matrix(gguf_layer(i, "k"), k_order),
+            v=f.matrix(gguf_layer(i, "v")), o=f.matrix(gguf_layer(i, "o")),
+            q_norm=opt(i, "q_norm"), k_norm=opt(i, "k_norm"),
+            q_bias=opt(i, "q_bias", q_order), k_bias=opt(i, "k_bias", k_order), v_bias=opt(i, "v_bias"))
         mlp = moe_mlp(f, i, stats, moe) if moe is not None else None
         if mlp is None:
-            mlp = qwen3.SwiGLU(f.matrix(p + "ffn_gate.weight"), f.matrix(p + "ffn_up.weight"),
-                               f.matrix(p + "ffn_down.weight"))
-        layers.append(qwen3.Layer(f.vector(p + "attn_norm.weight"), attn, f.vector(p + "ffn_norm.weight"), mlp))
-    embed = f.matrix("token_embd.weight")
-    lm_head = embed if cfg.tie_word_embeddings else f.matrix("output.weight")
-    model = qwen3.Qwen3Model(cfg, embed, layers, f.vector("output_norm.weight"), lm_head)
+            mlp = qwen3.SwiGLU(*(f.matrix(gguf_layer(i, role)) for role in ("gate", "up", "down")))
+        layers.append(qwen3.Layer(f.vector(gguf_layer(i, "attn_norm")), attn, f.vector(gguf_layer(i, "mlp_norm")), mlp))
+    embed = f.matrix(gguf_model("embed"))
+    lm_head = embed if cfg.tie_word_embeddings else f.matrix(gguf_model("lm_head"))
+    model = qwen3.Qwen3Model(cfg, embed, layers, f.vector(gguf_model("norm")), lm_head)
     if moe is not None:
         model.expert_stats, model.moe_config = stats, moe
     return model
@@ -205,12 +204,11 @@ def expert_slices(tensor) -> list:
 
 def moe_mlp(f, layer: int, stats: ExpertLoadStats, moe: MoEConfig):
     """The MLP of layer `layer`: SparseMoE if the layer has a router, None to let the caller build a dense one."""
-    p = f"blk.{layer}."
-    if p + "ffn_gate_inp.weight" not in f:
+    if gguf_layer(layer, "router") not in f:
         return None
-    router = f.matrix(p + "ffn_gate_inp.weight")
+    router = f.matrix(gguf_layer(layer, "router"))
     router = router.w if isinstance(router, DenseWeight) else router.dequantize()  # (E, hidden) float32
-    gates, ups, downs = (expert_slices(f.tensors[p + f"ffn_{k}_exps.weight"]) for k in ("gate", "up", "down"))
+    gates, ups, downs = (expert_slices(f.tensors[gguf_experts(layer, proj)]) for proj in EXPERT_PROJECTIONS)
     return SparseMoE(layer, router, Experts(gates, ups, downs), moe, stats)
 
 

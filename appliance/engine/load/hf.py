@@ -25,6 +25,7 @@ from ..safetensors import SafeTensors, SafetensorsError, to_float32
 from ..vision import Linear, PatchMerger, VisionBlock, VisionConfig, VisionTower, vision_ops
 from ..weights import DenseWeight, HalfWeight
 from . import Checkpoint, LoadOptions, ModelLoadError
+from .names import EXPERT_PROJECTIONS, HFNames
 
 
 def read_hf_dir(path: str, options: LoadOptions) -> Checkpoint:
@@ -97,62 +98,59 @@ def expert_weight(raw: np.ndarray, dtype: str):
 
 # ---- text decoder (dense, MoE) --------------------------------------------------------------------------
 
-def dense_mlp(st: SafeTensors, prefix: str) -> qwen3.SwiGLU:
-    """prefix: e.g. 'model.layers.3.mlp.'"""
-    return qwen3.SwiGLU(dense_weight(st, prefix + "gate_proj.weight"), dense_weight(st, prefix + "up_proj.weight"),
-                        dense_weight(st, prefix + "down_proj.weight"))
+def dense_mlp(st: SafeTensors, names: HFNames, i: int) -> qwen3.SwiGLU:
+    return qwen3.SwiGLU(*(dense_weight(st, names.layer(i, role)) for role in ("gate", "up", "down")))
 
 
-def build_decoder(st: SafeTensors, cfg: Qwen3Config, mlp_for_layer: Callable[[int, str], Callable],
-                  prefix: str = "model.") -> qwen3.Qwen3Model:
-    def opt(name):
+def build_decoder(st: SafeTensors, cfg: Qwen3Config, mlp_for_layer: Callable[[int], Callable],
+                  names: HFNames = HFNames()) -> qwen3.Qwen3Model:
+    def opt(i, role):
+        name = names.layer(i, role)
         return st.float32(name) if name in st else None
 
     layers = []
     for i in range(cfg.num_hidden_layers):
-        p = f"{prefix}layers.{i}."
-        a = p + "self_attn."
         attn = qwen3.Attention(
-            q=dense_weight(st, a + "q_proj.weight"), k=dense_weight(st, a + "k_proj.weight"),
-            v=dense_weight(st, a + "v_proj.weight"), o=dense_weight(st, a + "o_proj.weight"),
-            q_norm=opt(a + "q_norm.weight"), k_norm=opt(a + "k_norm.weight"),
-            q_bias=opt(a + "q_proj.bias"), k_bias=opt(a + "k_proj.bias"), v_bias=opt(a + "v_proj.bias"))
-        layers.append(qwen3.Layer(st.float32(p + "input_layernorm.weight"), attn,
-                                  st.float32(p + "post_attention_layernorm.weight"), mlp_for_layer(i, p + "mlp.")))
-    embed = dense_weight(st, prefix + "embed_tokens.weight")
-    lm_head = embed if cfg.tie_word_embeddings or "lm_head.weight" not in st else dense_weight(st, "lm_head.weight")
-    return qwen3.Qwen3Model(cfg, embed, layers, st.float32(prefix + "norm.weight"), lm_head)
+            *(dense_weight(st, names.layer(i, role)) for role in ("q", "k", "v", "o")),
+            q_norm=opt(i, "q_norm"), k_norm=opt(i, "k_norm"),
+            q_bias=opt(i, "q_bias"), k_bias=opt(i, "k_bias"), v_bias=opt(i, "v_bias"))
+        layers.append(qwen3.Layer(st.float32(names.layer(i, "attn_norm")), attn,
+                                  st.float32(names.layer(i, "mlp_norm")), mlp_for_layer(i)))
+    embed = dense_weight(st, names.model("embed"))
+    untied = not cfg.tie_word_embeddings and names.model("lm_head") in st
+    lm_head = dense_weight(st, names.model("lm_head")) if untied else embed
+    return qwen3.Qwen3Model(cfg, embed, layers, st.float32(names.model("norm")), lm_head)
 
 
 def build_qwen3(st: SafeTensors, cfg_dict: dict, options: LoadOptions = LoadOptions()):
     cfg = Qwen3Config.from_dict(cfg_dict)
-    return cfg, build_decoder(st, cfg, lambda i, p: dense_mlp(st, p))
+    return cfg, build_decoder(st, cfg, lambda i: dense_mlp(st, HFNames(), i))
 
 
-def hf_experts(st: SafeTensors, prefix: str, n: int) -> Experts:
-    """Per-expert tensors (`experts.{j}.gate_proj.weight`, as published) or transformers-5 fused ones
-    (`experts.gate_up_proj` (E, 2I, H), `experts.down_proj` (E, H, I))."""
-    if prefix + "experts.gate_up_proj" in st:
-        gu, gu_dt = st.raw(prefix + "experts.gate_up_proj")
-        dn, dn_dt = st.raw(prefix + "experts.down_proj")
+def hf_experts(st: SafeTensors, names: HFNames, i: int, n: int) -> Experts:
+    """Layer i's n experts from per-expert tensors or transformers-5's fused pair (see names.py)."""
+    if names.fused_experts(i, "gate_up") in st:
+        gu, gu_dt = st.raw(names.fused_experts(i, "gate_up"))  # (E, 2I, H): gate rows, then up rows
+        dn, dn_dt = st.raw(names.fused_experts(i, "down"))  # (E, H, I)
         half = gu.shape[1] // 2
         return Experts([expert_weight(gu[j, :half], gu_dt) for j in range(n)],  # row slices stay contiguous
                        [expert_weight(gu[j, half:], gu_dt) for j in range(n)],
                        [expert_weight(dn[j], dn_dt) for j in range(n)])
-    return Experts(*([expert_weight(*st.raw(f"{prefix}experts.{j}.{k}_proj.weight")) for j in range(n)]
-                     for k in ("gate", "up", "down")))
+    return Experts(*([expert_weight(*st.raw(names.expert(i, j, proj))) for j in range(n)]
+                     for proj in EXPERT_PROJECTIONS))
 
 
 def build_qwen3_moe(st: SafeTensors, cfg_dict: dict, options: LoadOptions = LoadOptions()):
     cfg = Qwen3Config.from_dict(cfg_dict)
     moe = MoEConfig.from_dict(cfg_dict)
     stats = ExpertLoadStats()
+    names = HFNames()
 
-    def mlp_for_layer(i: int, p: str):
+    def mlp_for_layer(i: int):
         if not moe.is_sparse(i):
-            return dense_mlp(st, p)
-        router = st.float32(p + "gate.weight")  # (E, hidden)
-        return SparseMoE(i, router, hf_experts(st, p, moe.num_experts), moe, stats)
+            return dense_mlp(st, names, i)
+        router = st.float32(names.layer(i, "router"))  # (E, hidden)
+        return SparseMoE(i, router, hf_experts(st, names, i, moe.num_experts), moe, stats)
 
     model = build_decoder(st, cfg, mlp_for_layer)
     model.expert_stats = stats
@@ -212,8 +210,8 @@ def build_qwen3_vl(st: SafeTensors, cfg_dict: dict, options: LoadOptions = LoadO
     cfg = Qwen3Config.from_dict({**text_d, "model_type": "qwen3"})
     if sum(section) != cfg.head_dim // 2:
         raise ValueError(f"mrope_section {section} does not cover head_dim {cfg.head_dim}")
-    text_prefix = _prefix(st, "model.language_model.", "language_model.model.", "model.")
-    text = build_decoder(st, cfg, lambda i, p: dense_mlp(st, p), prefix=text_prefix)
+    names = HFNames(_prefix(st, "model.language_model.", "language_model.model.", "model."))
+    text = build_decoder(st, cfg, lambda i: dense_mlp(st, names, i), names)
     vcfg = VisionConfig.from_dict(cfg_dict["vision_config"])
     vision = build_vision(st, vcfg, _prefix(st, "model.visual.", "visual."))
     if vcfg.out_hidden_size != cfg.hidden_size:

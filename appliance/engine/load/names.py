@@ -1,0 +1,65 @@
+"""The one table of tensor names: Hugging Face checkpoint <-> GGUF (llama.cpp's names). The loaders (hf.py,
+gguf.py) and `convert` all name tensors through it.
+
+Policy: a tensor has a role ("q", "mlp_norm", ...); a layer's Hugging Face name sits under
+`{prefix}layers.N.` (prefix "model." for text models, "model.language_model." etc. for Qwen3-VL's decoder),
+its GGUF name under `blk.N.`. Mixture-of-experts experts are either one tensor per expert
+(`mlp.experts.J.gate_proj.weight`, as published) or transformers-5's fused pair (`mlp.experts.gate_up_proj`
+(E, 2I, H) with gate rows first, `mlp.experts.down_proj` (E, H, I)); GGUF stacks them per projection
+(`blk.N.ffn_gate_exps.weight`, ne = [in, out, E]).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# role -> (Hugging Face name under `{prefix}layers.N.`, GGUF name under `blk.N.`), in llama.cpp's usual order
+LAYER_TENSORS = {
+    "attn_norm": ("input_layernorm.weight", "attn_norm.weight"),
+    "q": ("self_attn.q_proj.weight", "attn_q.weight"), "q_bias": ("self_attn.q_proj.bias", "attn_q.bias"),
+    "k": ("self_attn.k_proj.weight", "attn_k.weight"), "k_bias": ("self_attn.k_proj.bias", "attn_k.bias"),
+    "v": ("self_attn.v_proj.weight", "attn_v.weight"), "v_bias": ("self_attn.v_proj.bias", "attn_v.bias"),
+    "o": ("self_attn.o_proj.weight", "attn_output.weight"),
+    "q_norm": ("self_attn.q_norm.weight", "attn_q_norm.weight"),
+    "k_norm": ("self_attn.k_norm.weight", "attn_k_norm.weight"),
+    "mlp_norm": ("post_attention_layernorm.weight", "ffn_norm.weight"),
+    "gate": ("mlp.gate_proj.weight", "ffn_gate.weight"), "up": ("mlp.up_proj.weight", "ffn_up.weight"),
+    "down": ("mlp.down_proj.weight", "ffn_down.weight"),
+    "router": ("mlp.gate.weight", "ffn_gate_inp.weight"),  # mixture-of-experts layers only
+}
+# role -> (Hugging Face name under the prefix, GGUF name); lm_head is never under the prefix
+MODEL_TENSORS = {"embed": ("embed_tokens.weight", "token_embd.weight"), "norm": ("norm.weight", "output_norm.weight"),
+                 "lm_head": ("lm_head.weight", "output.weight")}
+EXPERT_PROJECTIONS = ("gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class HFNames:
+    """Hugging Face tensor names of one decoder (its prefix)."""
+    prefix: str = "model."
+
+    def layer(self, i: int, role: str) -> str:
+        return f"{self.prefix}layers.{i}.{LAYER_TENSORS[role][0]}"
+
+    def model(self, role: str) -> str:
+        return MODEL_TENSORS[role][0] if role == "lm_head" else self.prefix + MODEL_TENSORS[role][0]
+
+    def expert(self, i: int, j: int, proj: str) -> str:
+        """Expert j's own tensor (the published per-expert layout)."""
+        return f"{self.prefix}layers.{i}.mlp.experts.{j}.{proj}_proj.weight"
+
+    def fused_experts(self, i: int, which: str) -> str:
+        """transformers-5's fused tensors: which = 'gate_up' (E, 2I, H) or 'down' (E, H, I)."""
+        return f"{self.prefix}layers.{i}.mlp.experts.{which}_proj"
+
+
+def gguf_layer(i: int, role: str) -> str:
+    return f"blk.{i}.{LAYER_TENSORS[role][1]}"
+
+
+def gguf_model(role: str) -> str:
+    return MODEL_TENSORS[role][1]
+
+
+def gguf_experts(i: int, proj: str) -> str:
+    """All experts of layer i for one projection ('gate', 'up', 'down'), stacked."""
+    return f"blk.{i}.ffn_{proj}_exps.weight"
