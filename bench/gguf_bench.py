@@ -168,6 +168,7 @@ def weight_bytes_per_token(path: str) -> int:
 class Ours:
     def __init__(self, path: str, prompt_len: int, decode: int):
         self.lm = load_model(path, context_length=prompt_len + decode + 8, prefill_chunk=prompt_len)
+        self.lm.engine.reuse_prefix = False  # every run prefills its whole prompt (no reuse of the last one's KV)
         self.prompt_len, self.decode = prompt_len, decode
 
     def run(self, prompt_len: int, decode: int) -> tuple[float, float]:
