@@ -44,11 +44,6 @@ def test_ops_equal_twins():
                                    rtol=1e-5, atol=1e-5)
 
 
-def _numpy_layers(i, h):
-    """An identity hook: forward_hidden then runs its numpy layers (without one it takes the native path)."""
-    return h
-
-
 def _weight(kind, out, n, rng):
     if kind == "f32":
         return DenseWeight((rng.standard_normal((out, n)) * 0.1).astype(np.float32))
@@ -98,7 +93,7 @@ def test_native_decoder_equals_numpy_forward(flavour, kinds, tol):
         pos = ca.length + np.arange(len(tokens))
         cos, sin = qwen3.rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta)
         h = m.embed.rows(np.array(tokens))
-        want = qwen3.forward_hidden(m, h, ca, cos, sin, after_layer=_numpy_layers)
+        want = qwen3.numpy_layers(m, h, ca, cos, sin)
         got = dec.forward_hidden(h, cb, cos, sin)
         assert ca.length == cb.length
         for a, b in [(got, want)] + [(cb.k[i][:, :cb.length], ca.k[i][:, :ca.length])
@@ -149,3 +144,27 @@ def test_forward_hidden_takes_the_native_path_when_served():
     assert not dec.serves(half)
     m.forward(np.array([1]), half)
     assert calls == [1] and half.length == 1
+
+
+def test_after_layer_hook_runs_between_native_layers():
+    """With an after_layer hook (the vision-language model's DeepStack additions) the native decoder runs one
+    C call per layer and applies the hook's result, equal to the numpy layers with the same hook."""
+    rng = np.random.default_rng(5)
+    m = _model("qwen3", ["f32"], rng)
+    assert NativeDecoder.build(m) is not None
+    T, D = 5, m.config.hidden_size
+    h = rng.standard_normal((T, D)).astype(np.float32)
+    extra = rng.standard_normal((T, D)).astype(np.float32)
+    cos, sin = qwen3.rope_cos_sin(np.arange(T), m.config.head_dim, m.config.rope_theta)
+    seen = []
+
+    def hook(i, x):
+        seen.append(i)
+        return x + extra if i == 0 else x
+
+    ca, cb = m.new_cache(16), m.new_cache(16)
+    want = qwen3.numpy_layers(m, h, ca, cos, sin, after_layer=hook)
+    got = qwen3.forward_hidden(m, h, cb, cos, sin, after_layer=hook)
+    assert seen == list(range(len(m.layers))) * 2
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    assert np.abs(got - qwen3.numpy_layers(m, h, m.new_cache(16), cos, sin)).max() > 1e-3  # the hook mattered

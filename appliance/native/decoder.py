@@ -147,10 +147,11 @@ class NativeDecoder:
         return entry[0], entry[1]
 
     def forward_layers(self, h: np.ndarray, cache, cos: np.ndarray, sin: np.ndarray,
-                       layer_done=None) -> np.ndarray:
+                       layer_done=None, after_layer=None) -> np.ndarray:
         """Run every layer on h (T, hidden) at positions cache.length.. (cos/sin (T, hd/2)); writes the T new
         keys/values into the cache (does not commit them) and returns the last layer's output (T, hidden).
-        With layer_done, one C call per layer and layer_done(i) after layer i."""
+        With layer_done or after_layer, one C call per layer; then h = after_layer(i, h) (the vision-language
+        model's DeepStack additions) and layer_done(i) after layer i."""
         h = np.array(h, dtype=np.float32, order="C")  # updated in place by C
         cos, sin = (np.ascontiguousarray(a, dtype=np.float32) for a in (cos, sin))
         T = h.shape[0]
@@ -158,7 +159,7 @@ class NativeDecoder:
             from appliance.engine.kv_cache import ContextLengthError
             raise ContextLengthError(f"context length {cache.max_len} exceeded")
         kp, vp = self._cache_ptrs(cache)
-        if layer_done is None:
+        if layer_done is None and after_layer is None:
             rc = kernels._lib.kq_forward(ctypes.addressof(self._model), kp, vp, cache.max_len, h.ctypes.data, T,
                                          cache.length, cos.ctypes.data, sin.ctypes.data)
         else:
@@ -169,7 +170,12 @@ class NativeDecoder:
                                              cache.length, cos.ctypes.data, sin.ctypes.data)
                 if rc != 0:
                     break
-                layer_done(i)
+                if after_layer is not None:
+                    out = after_layer(i, h)
+                    if out is not h:
+                        h[...] = out  # (T, hidden): the C side keeps writing into h
+                if layer_done is not None:
+                    layer_done(i)
         if rc != 0:
             raise RuntimeError(f"native forward failed ({rc})")
         for block, ffn in self._moe:  # each MoE layer ran once over the T tokens
@@ -177,11 +183,11 @@ class NativeDecoder:
         return h
 
     def forward_hidden(self, h: np.ndarray, cache, cos: np.ndarray, sin: np.ndarray,
-                       layer_done=None) -> np.ndarray:
-        """Drop-in for qwen3.forward_hidden(model, h, cache, cos, sin) without `after_layer`: commits the T
-        tokens and returns the final-normed hidden states (T, hidden)."""
+                       layer_done=None, after_layer=None) -> np.ndarray:
+        """Drop-in for qwen3.forward_hidden(model, h, cache, cos, sin, after_layer): commits the T tokens and
+        returns the final-normed hidden states (T, hidden)."""
         from appliance.engine.qwen3 import rms_norm
-        h = self.forward_layers(h, cache, cos, sin, layer_done)
+        h = self.forward_layers(h, cache, cos, sin, layer_done, after_layer)
         cache.commit(h.shape[0])
         return rms_norm(h, self.norm, self.eps)
 
