@@ -36,8 +36,9 @@ static struct {
     _Atomic uint64_t work;         /* (job gen << 32) | next item: claims are tied to their job */
     _Atomic int64_t done;          /* items finished in the current job */
     _Atomic int stop;
-    /* the posted job: written before `work` is released, read (relaxed) by claimants after acquiring it; a
-     * claimant that read them for a job that has since changed fails its compare-exchange and drops them */
+    /* the posted job: written after `work` is closed under the new generation and before it is opened, read
+     * (relaxed) by claimants after acquiring it; a claimant that read them for a job that has since changed
+     * fails its compare-exchange and drops them */
     _Atomic(kq_range_fn) fn;
     _Atomic(void *) ctx;
     _Atomic int64_t n, chunk;
@@ -68,6 +69,8 @@ static void run_chunks(unsigned g) {
         int64_t n = atomic_load_explicit(&P.n, memory_order_relaxed);
         int64_t chunk = atomic_load_explicit(&P.chunk, memory_order_relaxed), i = (int64_t)(w & 0xffffffffu);
         if (i >= n) return;
+        atomic_thread_fence(memory_order_acquire); /* pairs with the poster's fence: fields of a newer job imply
+                                                     the compare-exchange below sees that job's word */
         int64_t e = i + chunk < n ? i + chunk : n;
         if (!atomic_compare_exchange_weak_explicit(&P.work, &w, ((uint64_t)g << 32) | (uint64_t)e,
                                                    memory_order_acq_rel, memory_order_acquire))
@@ -147,13 +150,20 @@ void kq_parallel_for(int64_t n, int64_t chunk, kq_range_fn fn, void *ctx) {
         long tid = syscall(SYS_gettid);
         if (tid != P.pinned_tid) { pin_self(P.cpus[0]); P.pinned_tid = tid; }
     }
+    /* first close the previous job's work word under the new generation (index past any n): a claimant that
+     * read the old word and then this job's fields can no longer succeed with the old word, which is still
+     * "fully claimed" but compared with this job's larger n would pass (that claim ran this job's items a
+     * second time and over-counted `done`, so a caller returned while a worker still ran a chunk on its
+     * dead stack frame: the x8 kernel's segfaults) */
+    unsigned g = atomic_load(&P.gen) + 1;
+    atomic_store(&P.work, ((uint64_t)g << 32) | 0xffffffffu);
+    atomic_thread_fence(memory_order_release);
     atomic_store_explicit(&P.fn, fn, memory_order_relaxed);
     atomic_store_explicit(&P.ctx, ctx, memory_order_relaxed);
     atomic_store_explicit(&P.n, n, memory_order_relaxed);
     atomic_store_explicit(&P.chunk, chunk, memory_order_relaxed);
     atomic_store_explicit(&P.done, 0, memory_order_relaxed);
     pthread_mutex_lock(&P.mu);
-    unsigned g = atomic_load(&P.gen) + 1;
     atomic_store_explicit(&P.work, (uint64_t)g << 32, memory_order_release);
     atomic_store_explicit(&P.gen, g, memory_order_release);
     pthread_cond_broadcast(&P.cv);
