@@ -52,7 +52,19 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY'")
     keys.add_argument("--api-key-file", metavar="FILE", help="read the key(s) from FILE, one per line")
     s.add_argument("--queue", type=int, default=4, metavar="N", help="requests that may wait (default 4)")
-    s.add_argument("--ctx", type=int, metavar="N", help="context length in tokens (default: model's, max 4096)")
+    s.add_argument("--ctx", type=int, metavar="N",
+                   help="context length in tokens (default: the model's trained context, capped so a full KV cache "
+                        "takes at most half the available memory; printed at start)")
+    s.add_argument("--kv-type", choices=["f16", "f32"], default="f16",
+                   help="KV cache element type (default f16: half the memory of f32)")
+    s.add_argument("--cache-ram", type=int, metavar="MB",
+                   help="memory for the KV of the active and earlier conversations kept for prefix reuse "
+                        "(default: a quarter of the memory available at start; 0 keeps only the active one)")
+    s.add_argument("--prompt-cache-dir", metavar="DIR",
+                   help="keep the KV of prompt prefixes that requests share (e.g. the system prompt) in DIR, so the "
+                        "first request after a restart is warm")
+    s.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every prompt from scratch (no KV reuse across requests)")
     s.add_argument("--threads", type=int, metavar="N", help="threads of the C kernels' pool (big cores first); also caps BLAS/OpenMP pools")
     s.add_argument("--prefill-chunk", type=int, default=256, metavar="N", help="prompt tokens per prefill step")
     s.add_argument("--moe-release-pages", action="store_true",
@@ -89,6 +101,8 @@ def _positive(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         v = getattr(args, name)
         if v is not None and v < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.cache_ram is not None and args.cache_ram < 0:
+        p.error("--cache-ram must be at least 0")
     if args.queue < 0:
         p.error("--queue must be at least 0")
     if not 0 <= args.port <= 65535:
@@ -123,6 +137,8 @@ def load_options(args: argparse.Namespace):
     """The load-time flags as one LoadOptions."""
     from .engine.load import LoadOptions
     return LoadOptions(context_length=args.ctx, prefill_chunk=args.prefill_chunk, threads=args.threads,
+                       kv_type=args.kv_type, cache_ram_mb=args.cache_ram, prefix_reuse=not args.no_prefix_cache,
+                       prompt_cache_dir=args.prompt_cache_dir,
                        moe_release_pages=args.moe_release_pages, image_max_pixels=args.image_max_pixels,
                        max_resident_mib=args.max_resident)
 

@@ -261,6 +261,12 @@ class Worker:
             t.finished = time.perf_counter()
             self.current = None
             self._call_trio(self._end_job, job, last)
+        after = getattr(loaded.engine, "after_request", None)
+        if after is not None:  # e.g. the disk prompt cache's write, once the client has its response
+            try:
+                after()
+            except Exception as e:
+                log.warning("after-request work failed: %r", e)
 
     def _end_job(self, job: _Job, last: Any) -> None:
         """Trio side: the last event, then the slot, in one step, so a client that has seen the end of its

@@ -168,3 +168,45 @@ def test_after_layer_hook_runs_between_native_layers():
     assert seen == list(range(len(m.layers))) * 2
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
     assert np.abs(got - qwen3.numpy_layers(m, h, m.new_cache(16), cos, sin)).max() > 1e-3  # the hook mattered
+
+
+def test_attention_reads_float16_caches_like_its_twin():
+    """kq_attention over IEEE-half caches (converted in blocks of 256 positions) equals the numpy twin over the
+    same caches, and both equal float32 attention over the exactly widened values."""
+    rng = np.random.default_rng(4)
+    for T, S, hd in [(1, 1, 64), (1, 300, 64), (5, 600, 128), (3, 11, 24)]:
+        H, KV, L = 4, 2, 640
+        q = rng.standard_normal((T, H, hd)).astype(np.float32)
+        kc, vc = (rng.standard_normal((2, KV, L, hd)) * 3).astype(np.float16)
+        kc[0, 0, :4] = [6e-8, -3e-5, 65504, -0.0]  # a subnormal, the smallest normal's neighbour, the largest half
+        got = kernels.attention(q, kc, vc, S)
+        np.testing.assert_allclose(got, ops_numpy.attention(q, kc, vc, S), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got, kernels.attention(q, kc.astype(np.float32), vc.astype(np.float32), S),
+                                   rtol=1e-5, atol=1e-5)  # the values summed in blocks: float rounding only
+
+
+@pytest.mark.parametrize("kinds", [["f32"], ["Q8_0"]])
+def test_native_decoder_writes_float16_caches_rounded_like_numpy(kinds):
+    rng = np.random.default_rng(zlib.crc32(("f16 " + kinds[0]).encode()))
+    m = _model("qwen3", kinds, rng)
+    dec = NativeDecoder.build(m)
+    full, half, ref = m.new_cache(64), m.new_cache(64, np.float16), m.new_cache(64, np.float16)
+    assert dec.serves(half) and half.bytes_per_token * 2 == full.bytes_per_token
+    cfg = m.config
+    for tokens in ([3, 1, 4, 1, 5], [9], [2]):
+        pos = full.length + np.arange(len(tokens))
+        cos, sin = qwen3.rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta)
+        h = m.embed.rows(np.array(tokens))
+        a = dec.forward_hidden(h, full, cos, sin)
+        start = half.length
+        b = dec.forward_hidden(h, half, cos, sin)
+        c = qwen3.numpy_layers(m, h, ref, cos, sin)  # numpy layers, f16 cache
+        # the first layer's new keys/values see the same inputs: stored with numpy's float16 rounding
+        np.testing.assert_array_equal(half.k[0][:, start:half.length], full.k[0][:, start:full.length].astype(np.float16))
+        np.testing.assert_array_equal(half.v[0][:, start:half.length], full.v[0][:, start:full.length].astype(np.float16))
+        if kinds[0] == "f32":
+            assert np.abs(b - a).max() <= 2e-2 * np.abs(a).max()  # float16 keys/values vs float32 ones
+            assert np.abs(b - c).max() <= 1e-4 * np.abs(c).max()  # C vs numpy over the same float16 cache
+        else:  # 8-bit activations turn small differences into a different rounding now and then: compare RMS
+            assert np.sqrt(np.mean((b - a) ** 2)) <= 2e-2 * np.sqrt(np.mean(a ** 2))
+            assert np.sqrt(np.mean((b - c) ** 2)) <= 2e-2 * np.sqrt(np.mean(c ** 2))

@@ -51,12 +51,12 @@ def converse(loaded, ref, turns, n=10, **template):
 
 @pytest.fixture(scope="module")
 def dense(tiny_qwen3_untied):
-    return load_model(tiny_qwen3_untied, context_length=512, prefill_chunk=16)
+    return load_model(tiny_qwen3_untied, context_length=512, prefill_chunk=16, cache_ram_mb=0, kv_type="f32")
 
 
 @pytest.fixture(scope="module")
 def moe(tiny_qwen3_moe):
-    return load_model(tiny_qwen3_moe, context_length=512, prefill_chunk=16)
+    return load_model(tiny_qwen3_moe, context_length=512, prefill_chunk=16, cache_ram_mb=0, kv_type="f32")
 
 
 TURNS = ["Tell me about rivers in three words.", "Now about mountains, please.", "And lakes?", "Thanks, bye."]
@@ -204,7 +204,7 @@ def test_engine_error_drops_the_sequence(dense, monkeypatch):
 
 @pytest.fixture(scope="module")
 def vl(tmp_path_factory):
-    return load_model(cached_qwen3_vl(tmp_path_factory), context_length=1024, prefill_chunk=16)
+    return load_model(cached_qwen3_vl(tmp_path_factory), context_length=1024, prefill_chunk=16, cache_ram_mb=0, kv_type="f32")
 
 
 def vl_prompt(loaded, messages, images):

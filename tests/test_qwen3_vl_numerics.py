@@ -145,6 +145,7 @@ def test_placeholders_and_images_must_agree(loaded):
 def test_cancel_during_image_encoding(loaded):
     ids, patches = our_prompt(loaded, TWO_IMAGES, pictures((300, 200), (150, 250)))
     loaded.engine.drop_sequence()  # nothing reusable: the first image's encoding sees the cancel
+    loaded.engine.store.clear()
     events = list(loaded.engine.generate(GenerationRequest(ids, images=tuple(patches)), lambda: True))
     assert len(events) == 1 and events[0].reason == "cancelled" and loaded.engine.cache.images is None
     assert events[0].timings.prefill_chunks == 0 and loaded.engine.cache.length == 0

@@ -104,6 +104,8 @@ class Engine:
         self.cache_images: tuple[ImageKey, ...] = ()  # image runs of that sequence
         self.reuse_prefix = reuse_prefix
         self.store = PrefixStore(cache_bytes)  # copies of earlier sequences (the active one counts too)
+        self.disk = None  # prompt_disk.PromptDiskCache with --prompt-cache-dir
+        self._disk_pending: tuple | None = None
         # engine-side counters, for tests and /metrics
         self.prefill_chunks_run = 0
         self.decode_steps_run = 0
@@ -114,6 +116,21 @@ class Engine:
         token = min(self.eos_ids) if self.eos_ids else 0
         self.model.forward(np.asarray([token], dtype=np.int64), self.cache, "last")
         self.drop_sequence()
+
+    def adopt(self, entries: list[CachedSequence]) -> None:
+        """Cached sequences from elsewhere (the disk): the first becomes the active one, the rest are kept."""
+        for i, e in enumerate(entries):
+            if i == 0 and len(e.tokens) < self.context_length:
+                self.cache.load_prefix(e.k, e.v, len(e.tokens))
+                self.cache_tokens, self.cache_images = list(e.tokens), e.images
+            else:
+                self.store.add(e, reserve=self.cache.length * self.cache.bytes_per_token)
+
+    def after_request(self) -> None:
+        """Work that waits until the response is out (the worker calls it): the disk prompt cache's write."""
+        pending, self._disk_pending = self._disk_pending, None
+        if pending is not None and self.disk is not None:
+            self.disk.observe(*pending, self.cache, self.cache_tokens)
 
     def drop_sequence(self) -> None:
         """Forget the active sequence (after an error, or when its keys/values are not trusted)."""
@@ -211,6 +228,7 @@ class Engine:
         def finish(reason: str, tail: str = "") -> FinishEvent:
             timings.total_ms = _ms(t0)
             self.store.shrink(reserve=len(self.cache_tokens) * self.cache.bytes_per_token)
+            self._disk_pending = (list(req.prompt_ids), images)
             return FinishEvent(reason, tail, len(req.prompt_ids), len(generated), generated, timings)
 
         reused = timings.cache_n = self.begin_sequence(req.prompt_ids, images)

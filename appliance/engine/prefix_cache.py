@@ -122,6 +122,9 @@ class PrefixStore:
         self._next += 1
         return True
 
+    def clear(self) -> None:
+        self._entries.clear()
+
     def discard(self, entry: CachedSequence) -> None:
         for key, e in list(self._entries.items()):
             if e is entry:

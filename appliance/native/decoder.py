@@ -4,7 +4,7 @@
 Policy: built only when every piece is something the C side serves — linear weights that are native
 QuantWeights, float32 DenseWeights or HalfWeights; a SwiGLU MLP or mixture-of-experts routed experts bound for
 the C side (qwen3_moe.SparseMoE.native_moe: one kq_moe_ffn per layer inside the same call, its counts accounted
-after it); float32 KV caches — otherwise `build` returns None and the caller keeps the numpy forward (vision
+after it); float32 or float16 KV caches — otherwise `build` returns None and the caller keeps the numpy forward (vision
 hooks, no library).
 Numerics: the same C matmuls as QuantWeight, float32 norms/RoPE/attention; equal to qwen3.forward_hidden
 within float rounding (tests/test_native_decoder.py).
@@ -21,6 +21,7 @@ from .qtypes import QType
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
+_KV_TYPES = (np.dtype(np.float32), np.dtype(np.float16))
 _VECTORS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "q_bias", "k_bias", "v_bias")
 
 
@@ -128,8 +129,9 @@ class NativeDecoder:
         return cls(model, specs)
 
     def serves(self, cache) -> bool:
-        """Whether this cache is one the C side writes: float32, contiguous (n_kv, max_len, head_dim)."""
-        return all(a.dtype == np.float32 and a.flags.c_contiguous for a in (*cache.k, *cache.v))
+        """Whether this cache is one the C side writes: float32 or float16, contiguous (n_kv, max_len, head_dim)."""
+        arrays = (*cache.k, *cache.v)
+        return all(a.dtype == arrays[0].dtype and a.dtype in _KV_TYPES and a.flags.c_contiguous for a in arrays)
 
     def _cache_ptrs(self, cache):
         """Pointer arrays of the cache's layers, kept with the arrays they point into: rebuilt whenever the cache
@@ -138,9 +140,8 @@ class NativeDecoder:
         entry = self._caches.get(cache)
         arrays = (*cache.k, *cache.v)
         if entry is None or len(entry[2]) != len(arrays) or any(a is not b for a, b in zip(entry[2], arrays)):
-            for a in arrays:
-                if a.dtype != np.float32 or not a.flags.c_contiguous:
-                    raise ValueError("the native decoder needs float32 contiguous KV caches")
+            if not self.serves(cache):
+                raise ValueError("the native decoder needs float32 or float16 contiguous KV caches")
             n = len(cache.k)
             entry = ((_P * n)(*[a.ctypes.data for a in cache.k]), (_P * n)(*[a.ctypes.data for a in cache.v]), arrays)
             self._caches[cache] = entry
@@ -159,14 +160,15 @@ class NativeDecoder:
             from appliance.engine.kv_cache import ContextLengthError
             raise ContextLengthError(f"context length {cache.max_len} exceeded")
         kp, vp = self._cache_ptrs(cache)
+        f16 = int(cache.k[0].dtype == np.float16)
         if layer_done is None and after_layer is None:
-            rc = kernels._lib.kq_forward(ctypes.addressof(self._model), kp, vp, cache.max_len, h.ctypes.data, T,
-                                         cache.length, cos.ctypes.data, sin.ctypes.data)
+            rc = kernels._lib.kq_forward(ctypes.addressof(self._model), kp, vp, cache.max_len, f16,
+                                         h.ctypes.data, T, cache.length, cos.ctypes.data, sin.ctypes.data)
         else:
             size, rc = ctypes.sizeof(_P), 0
             for i, one in enumerate(self._one):
                 rc = kernels._lib.kq_forward(ctypes.addressof(one), ctypes.addressof(kp) + i * size,
-                                             ctypes.addressof(vp) + i * size, cache.max_len, h.ctypes.data, T,
+                                             ctypes.addressof(vp) + i * size, cache.max_len, f16, h.ctypes.data, T,
                                              cache.length, cos.ctypes.data, sin.ctypes.data)
                 if rc != 0:
                     break

@@ -39,14 +39,14 @@ _SIGNATURES = {
     "kq_rms_norm": (None, [_P, _P, _I64, _I64, ctypes.c_float, _P]),
     "kq_rope": (None, [_P, _I64, _I64, _I64, _P, _P]),
     "kq_swiglu": (None, [_P, _P, _I64, _P]),
-    "kq_attention": (_I, [_P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P]),
+    "kq_attention": (_I, [_P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I, _P]),
     "kq_layer_norm": (None, [_P, _P, _P, _I64, _I64, ctypes.c_float, _P]),
     "kq_gelu_tanh": (None, [_P, _I64, _P]),
     "kq_self_attention": (_I, [_P, _I64, _I64, _I64, _P, _P, _P]),
     "kq_moe_ffn": (_I, [_P, _P, _I64, _P]),
-    "kq_forward": (_I, [_P, _P, _P, _I64, _P, _I64, _I64, _P, _P]),
+    "kq_forward": (_I, [_P, _P, _P, _I64, _I, _P, _I64, _I64, _P, _P]),
 }
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 _lib = None
 load_error: str | None = None
@@ -253,13 +253,14 @@ def swiglu(g: np.ndarray, u: np.ndarray) -> np.ndarray:
 
 def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, S: int) -> np.ndarray:
     q = np.ascontiguousarray(q, dtype=np.float32)  # (T, H, hd)
-    k_cache, v_cache = (np.ascontiguousarray(a, dtype=np.float32) for a in (k_cache, v_cache))
+    kv = np.float16 if k_cache.dtype == np.float16 and v_cache.dtype == np.float16 else np.float32
+    k_cache, v_cache = (np.ascontiguousarray(a, dtype=kv) for a in (k_cache, v_cache))  # read as stored
     T, H, hd = q.shape
     if not 0 < T <= S <= k_cache.shape[1]:
         raise ValueError("attention needs 0 < T <= S <= cache length")
     out = np.empty_like(q)
     _check(_lib.kq_attention(_ptr(q), _ptr(k_cache), _ptr(v_cache), k_cache.shape[1], T, S, H, k_cache.shape[0],
-                             hd, _ptr(out)), "attention")
+                             hd, int(kv == np.float16), _ptr(out)), "attention")
     return out
 
 

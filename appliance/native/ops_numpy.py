@@ -25,10 +25,10 @@ def swiglu(g: np.ndarray, u: np.ndarray) -> np.ndarray:
 
 def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, S: int) -> np.ndarray:
     """Causal grouped-query attention: q (T, H, hd) for the last T of S positions, caches (KV, max_len, hd)
-    -> (T, H, hd)."""
+    of float32 or float16 (widened exactly, computed in float32) -> (T, H, hd)."""
     T, H, hd = q.shape
     KV = k_cache.shape[0]
-    k, v = k_cache[:, :S], v_cache[:, :S]  # (KV, S, hd)
+    k, v = (a[:, :S].astype(np.float32) for a in (k_cache, v_cache))  # (KV, S, hd)
     g = q.transpose(1, 0, 2).reshape(KV, H // KV * T, hd)  # heads sharing a KV head: (KV, rep*T, hd)
     scores = (g @ k.transpose(0, 2, 1) / np.sqrt(hd)).reshape(KV, H // KV, T, S)
     mask = np.arange(S)[None, :] > (S - T + np.arange(T))[:, None]  # (T, S)

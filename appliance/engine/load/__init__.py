@@ -7,6 +7,10 @@ Policies:
   set on the loaded model afterwards. The format loaders build (config, model, tokenizer, template, eos ids,
   default sampling); `finish` is the one shared tail that applies the options and builds the Engine.
 - The model's display name (what /v1/models lists) is `model_name(path)`, worked out here only.
+- Memory (decided in `finish`, logged once): the KV cache is float16 unless asked otherwise; the context
+  defaults to the model's trained context capped so a full cache takes at most half of the memory available
+  at load (the cache's pages are committed only as positions are used); --cache-ram defaults to a quarter of
+  that available memory, for the active sequence plus copies of earlier ones.
 """
 from __future__ import annotations
 
@@ -14,8 +18,9 @@ import logging
 import os
 from dataclasses import dataclass, field, replace
 
-DEFAULT_CONTEXT = 4096
-log = logging.getLogger("appliance")
+DEFAULT_CONTEXT = 4096  # when the model does not say its trained context
+KV_TYPES = ("f16", "f32")
+log = logging.getLogger("appliance.load")
 
 
 class ModelLoadError(Exception):
@@ -25,10 +30,13 @@ class ModelLoadError(Exception):
 @dataclass(frozen=True)
 class LoadOptions:
     """Deployment choices made at load time (the CLI's flags; tests pass a few)."""
-    context_length: int | None = None  # tokens; None -> the model's, at most DEFAULT_CONTEXT
+    context_length: int | None = None  # tokens; None -> the trained context, capped by memory
     prefill_chunk: int = 256  # prompt tokens per prefill step
     threads: int | None = None  # the C kernels' pool size (None: the library's default)
-    kv_type: str = "f32"  # KV cache element type (only "f32" today)
+    kv_type: str = "f16"  # KV cache element type: "f16" (half the memory) or "f32"
+    cache_ram_mb: int | None = None  # active + cached sequences' KV; None -> a quarter of the available memory
+    prefix_reuse: bool = True  # reuse the KV of a cached prefix across requests
+    prompt_cache_dir: str | None = None  # keep shared prompt prefixes' KV on disk across restarts
     moe_release_pages: bool = False  # MoE: give an expert's weight pages back to the kernel after each use
     image_max_pixels: int | None = None  # multimodal: cap on resized image pixels (lowers the model's own bound)
     max_resident_mib: int | None = None  # dense: keep at most this many MiB of mapped weights resident (resident.py)
@@ -69,8 +77,8 @@ def model_name(path: str) -> str:
 def load_model(path: str, options: LoadOptions | None = None, **overrides) -> LoadedModel:
     """A model path -> LoadedModel. `overrides` are LoadOptions fields (load_model(p, context_length=256))."""
     options = replace(options or LoadOptions(), **overrides)
-    if options.kv_type != "f32":
-        raise ModelLoadError(f"KV cache type {options.kv_type!r} is not supported (supported: f32)")
+    if options.kv_type not in KV_TYPES:
+        raise ModelLoadError(f"KV cache type {options.kv_type!r} is not supported (supported: {', '.join(KV_TYPES)})")
     path = os.path.abspath(path)
     if not os.path.exists(path):
         raise ModelLoadError(f"model path does not exist: {path}")
@@ -87,6 +95,21 @@ def load_model(path: str, options: LoadOptions | None = None, **overrides) -> Lo
         from .hf import read_hf_dir
         ckpt = read_hf_dir(path, options)
     return finish(path, ckpt, options)
+
+
+def available_memory() -> int:
+    """Bytes the kernel says are available now (MemAvailable), or a quarter of physical memory."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    except (OSError, ValueError):
+        return 2**30
 
 
 def set_native_threads(n: int) -> int | None:
@@ -111,9 +134,31 @@ def finish(path: str, ckpt: Checkpoint, options: LoadOptions) -> LoadedModel:
         except ResidentBudgetError as e:
             raise ModelLoadError(f"--max-resident {options.max_resident_mib}: {e}") from None
         log.info("low-memory mode: %s", plan.describe(len(ckpt.model.layers)))
-    limit = getattr(ckpt.config, "max_position_embeddings", DEFAULT_CONTEXT)
-    ctx = min(options.context_length or DEFAULT_CONTEXT, limit)
-    engine = Engine(ckpt.model, ckpt.tokenizer, ckpt.eos_ids, ctx, options.prefill_chunk)
+    import numpy as np
+    from ..kv_cache import KV_TYPES as KV_DTYPES
+
+    cfg = ckpt.config
+    dtype = np.dtype(KV_DTYPES[options.kv_type])
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+    trained = getattr(cfg, "max_position_embeddings", None) or DEFAULT_CONTEXT
+    avail = available_memory()
+    fits = max(256, avail // 2 // per_token)
+    ctx = min(options.context_length, trained) if options.context_length else min(trained, fits)
+    cache_bytes = options.cache_ram_mb * 2**20 if options.cache_ram_mb is not None else avail // 4
+    log.info("context %d tokens (%s; trained %d), KV cache %s: %d bytes/token, %.0f MB at full context; "
+             "prefix cache %s, budget %.0f MB", ctx, "--ctx" if options.context_length else "default: trained, "
+             "capped by memory", trained, options.kv_type, per_token, ctx * per_token / 2**20,
+             "on" if options.prefix_reuse else "off", cache_bytes / 2**20)
+    engine = Engine(ckpt.model, ckpt.tokenizer, ckpt.eos_ids, ctx, options.prefill_chunk, kv_dtype=dtype,
+                    cache_bytes=cache_bytes, reuse_prefix=options.prefix_reuse)
+    if options.prompt_cache_dir and options.prefix_reuse:
+        from ..prompt_disk import PromptDiskCache, model_identity
+        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+        try:
+            engine.disk = PromptDiskCache(options.prompt_cache_dir, model_identity(path, shape, dtype), shape, dtype)
+            engine.adopt(engine.disk.load_all())
+        except OSError as e:
+            raise ModelLoadError(f"--prompt-cache-dir {options.prompt_cache_dir}: {e.strerror or e}") from None
     return LoadedModel(name=model_name(path), path=path, config=ckpt.config, model=ckpt.model,
                        tokenizer=ckpt.tokenizer, chat_template=ckpt.chat_template, engine=engine, options=options,
                        default_sampling=ckpt.default_sampling, context_length=ctx, eos_ids=ckpt.eos_ids,

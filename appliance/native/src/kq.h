@@ -63,15 +63,16 @@ typedef struct {
 void kq_rms_norm(const float *x, const float *w, int64_t T, int64_t n, float eps, float *out);
 void kq_rope(float *x, int64_t T, int64_t nh, int64_t hd, const float *cos, const float *sin);
 void kq_swiglu(const float *g, const float *u, int64_t n, float *out);
-int kq_attention(const float *q, const float *kc, const float *vc, int64_t max_len, int64_t T, int64_t S,
-                 int64_t H, int64_t KV, int64_t hd, float *out);
+/* caches (KV, max_len, hd) of float32, or of IEEE half when kv_f16 (read as stored, computed in float32) */
+int kq_attention(const float *q, const void *kc, const void *vc, int64_t max_len, int64_t T, int64_t S,
+                 int64_t H, int64_t KV, int64_t hd, int kv_f16, float *out);
 
 /* vision tower operations (vision.c) */
 void kq_layer_norm(const float *x, const float *w, const float *b, int64_t T, int64_t n, float eps, float *out);
 void kq_gelu_tanh(const float *x, int64_t n, float *out);
 int kq_self_attention(const float *qkv, int64_t N, int64_t H, int64_t hd, const float *cos, const float *sin,
                       float *out);
-int kq_forward(const kq_model *m, float *const *k_cache, float *const *v_cache, int64_t max_len,
+int kq_forward(const kq_model *m, void *const *k_cache, void *const *v_cache, int64_t max_len, int kv_f16,
                float *h, int64_t T, int64_t pos, const float *cos, const float *sin);
 
 /* ---- internals ---- */

@@ -249,7 +249,7 @@ const char *kq_simd_name(void) {
     return names[level];
 }
 
-int kq_abi_version(void) { return 2; } /* 2: kq_layer.moe */
+int kq_abi_version(void) { return 3; } /* 2: kq_layer.moe; 3: float16 KV caches */
 
 void kq_quantize_q8_32(const float *x, int64_t T, int64_t n, kq_act32 *out) {
     detect();

@@ -1,6 +1,6 @@
-/* Float32 decoder operations (RMSNorm, rotate-half RoPE, causal attention over the KV cache, SwiGLU) and
- * the whole per-layer decoder sequence in one call (kq_forward), so a decode step costs one ctypes call
- * instead of a few hundred numpy calls. Twins: appliance/native/ops_numpy.py and engine/qwen3.py. */
+/* Float32 decoder operations (RMSNorm, rotate-half RoPE, causal attention over a float32 or float16 KV cache,
+ * SwiGLU) and the whole per-layer decoder sequence in one call (kq_forward), so a decode step costs one ctypes
+ * call instead of a few hundred numpy calls. Twins: appliance/native/ops_numpy.py and engine/qwen3.py. */
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -40,6 +40,53 @@ KQ_CLONES void kq_swiglu(const float *g, const float *u, int64_t n, float *out) 
     for (int64_t i = 0; i < n; i++) out[i] = g[i] / (1.0f + kq_expf(-g[i])) * u[i];
 }
 
+/* ---- KV cache elements: float32, or float16 (IEEE half) converted on the fly ---- */
+
+/* half -> float, exact for finite values (the cache never holds inf/nan: see kv_store) */
+static inline float h2f(uint16_t h) {
+    uint32_t v = (uint32_t)(h & 0x7fff) << 13, sign = (uint32_t)(h & 0x8000) << 16;
+    float f;
+    memcpy(&f, &v, 4);
+    f *= 0x1p112f; /* rebias the exponent; subnormal halves land as normal floats */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u |= sign;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* float -> half, round to nearest even like numpy's astype(float16); past the half range: +-inf */
+static inline uint16_t f2h(float x) {
+    uint32_t u, sign;
+    memcpy(&u, &x, 4);
+    sign = (u >> 16) & 0x8000;
+    u &= 0x7fffffff;
+    if (u >= 0x47800000u) return (uint16_t)(sign | (u > 0x7f800000u ? 0x7e00 : 0x7c00));
+    if (u < 0x38800000u) { /* subnormal or zero: align the mantissa with a float add (rounds to even) */
+        float f;
+        memcpy(&f, &u, 4);
+        f += 0.5f;
+        memcpy(&u, &f, 4);
+        return (uint16_t)(sign | (u - 0x3f000000u));
+    }
+    u += 0xc8000fffu + ((u >> 13) & 1); /* exponent -112, round half to even */
+    return (uint16_t)(sign | (u >> 13));
+}
+
+KQ_CLONES static void h2f_rows(const uint16_t *h, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = h2f(h[i]);
+}
+
+/* store one head's row (hd floats) at element offset `at` of a cache */
+static void kv_store(void *cache, int f16, int64_t at, const float *x, int64_t hd) {
+    if (f16) {
+        uint16_t *d = (uint16_t *)cache + at;
+        for (int64_t i = 0; i < hd; i++) d[i] = f2h(x[i]);
+    } else {
+        memcpy((float *)cache + at, x, (size_t)hd * 4);
+    }
+}
+
 /* acc (hd) = sum_s p[s] * V[s]: fixed head sizes keep the accumulator in registers */
 #define PV_FIXED(HD)                                                                              \
     static inline void pv_##HD(const float *p, const float *V, int64_t n, float *out) {           \
@@ -57,27 +104,45 @@ static inline void pv_any(const float *p, const float *V, int64_t n, int64_t hd,
         for (int64_t i = 0; i < hd; i++) out[i] += p[s] * V[s * hd + i];
 }
 
+static inline void pv(const float *p, const float *V, int64_t n, int64_t hd, float *out) {
+    if (hd == 64) pv_64(p, V, n, out);
+    else if (hd == 128) pv_128(p, V, n, out);
+    else pv_any(p, V, n, hd, out);
+}
+
 /* ---- attention: q (T, H, hd), caches (KV, max_len, hd) holding S positions, out (T, H, hd) ---- */
+#define KV_BLOCK 256 /* float16 caches: keys/values converted this many positions at a time */
 typedef struct {
-    const float *q, *kc, *vc;
+    const float *q;
+    const void *kc, *vc;
     float *out;
     int64_t max_len, T, S, H, KV, hd;
+    int f16;
     _Atomic int err; /* a task could not get its scratch: the result is incomplete */
 } attn_ctx;
 
 KQ_CLONES static void attn_task(void *c_, int64_t a, int64_t b) { /* (head, token) pairs a .. b-1 */
     const attn_ctx *c = c_;
-    float *p = kq_scratch(2, (size_t)(c->S + c->hd) * sizeof(float));
+    const int64_t hd = c->hd;
+    float *p = kq_scratch(2, (size_t)(c->S + 2 * hd + (c->f16 ? KV_BLOCK * hd : 0)) * sizeof(float));
     if (!p) { atomic_store(&((attn_ctx *)c_)->err, 1); return; }
-    float *acc = p + c->S;
-    const float scale = (float)(1.0 / sqrt((double)c->hd));
+    float *acc = p + c->S, *part = acc + hd, *rows = part + hd;
+    const float scale = (float)(1.0 / sqrt((double)hd));
     int64_t rep = c->H / c->KV;
     for (int64_t j = a; j < b; j++) {
         int64_t h = j / c->T, t = j % c->T, kv = h / rep;
         int64_t n = c->S - c->T + t + 1; /* causal: keys 0 .. S-T+t */
-        const float *q = c->q + (t * c->H + h) * c->hd;
-        const float *K = c->kc + kv * c->max_len * c->hd, *V = c->vc + kv * c->max_len * c->hd;
-        kq_f32_dots(K, n, c->hd, q, p); /* p[s] = q . k_s */
+        const float *q = c->q + (t * c->H + h) * hd;
+        int64_t base = kv * c->max_len * hd;
+        if (!c->f16) {
+            kq_f32_dots((const float *)c->kc + base, n, hd, q, p); /* p[s] = q . k_s */
+        } else {
+            for (int64_t s0 = 0; s0 < n; s0 += KV_BLOCK) {
+                int64_t m = n - s0 < KV_BLOCK ? n - s0 : KV_BLOCK;
+                h2f_rows((const uint16_t *)c->kc + base + s0 * hd, m * hd, rows);
+                kq_f32_dots(rows, m, hd, q, p + s0);
+            }
+        }
         float mx = -INFINITY;
         for (int64_t s = 0; s < n; s++) {
             p[s] *= scale;
@@ -87,17 +152,25 @@ KQ_CLONES static void attn_task(void *c_, int64_t a, int64_t b) { /* (head, toke
         for (int64_t s = 0; s < n; s++) p[s] = kq_expf(p[s] - mx);
         for (int64_t s = 0; s < n; s++) sum += p[s];
         float inv = 1.0f / sum;
-        if (c->hd == 64) pv_64(p, V, n, acc);
-        else if (c->hd == 128) pv_128(p, V, n, acc);
-        else pv_any(p, V, n, c->hd, acc);
-        float *o = c->out + (t * c->H + h) * c->hd;
-        for (int64_t i = 0; i < c->hd; i++) o[i] = acc[i] * inv;
+        if (!c->f16) {
+            pv(p, (const float *)c->vc + base, n, hd, acc);
+        } else {
+            for (int64_t i = 0; i < hd; i++) acc[i] = 0.0f;
+            for (int64_t s0 = 0; s0 < n; s0 += KV_BLOCK) {
+                int64_t m = n - s0 < KV_BLOCK ? n - s0 : KV_BLOCK;
+                h2f_rows((const uint16_t *)c->vc + base + s0 * hd, m * hd, rows);
+                pv(p + s0, rows, m, hd, part);
+                for (int64_t i = 0; i < hd; i++) acc[i] += part[i];
+            }
+        }
+        float *o = c->out + (t * c->H + h) * hd;
+        for (int64_t i = 0; i < hd; i++) o[i] = acc[i] * inv;
     }
 }
 
-int kq_attention(const float *q, const float *kc, const float *vc, int64_t max_len, int64_t T, int64_t S,
-                 int64_t H, int64_t KV, int64_t hd, float *out) {
-    attn_ctx c = {q, kc, vc, out, max_len, T, S, H, KV, hd, 0};
+int kq_attention(const float *q, const void *kc, const void *vc, int64_t max_len, int64_t T, int64_t S,
+                 int64_t H, int64_t KV, int64_t hd, int kv_f16, float *out) {
+    attn_ctx c = {q, kc, vc, out, max_len, T, S, H, KV, hd, kv_f16 != 0, 0};
     kq_parallel_for(H * T, 1, attn_task, &c);
     return atomic_load(&c.err) ? -2 : 0;
 }
@@ -108,7 +181,7 @@ static int linear(const kq_linear *L, const float *x, int64_t T, float *out) {
     return kq_matmul(L->qtype, L->w, L->rows, L->n, x, T, out);
 }
 
-int kq_forward(const kq_model *m, float *const *k_cache, float *const *v_cache, int64_t max_len,
+int kq_forward(const kq_model *m, void *const *k_cache, void *const *v_cache, int64_t max_len, int kv_f16,
                float *h, int64_t T, int64_t pos, const float *cos, const float *sin) {
     const int64_t D = m->hidden, H = m->n_heads, KV = m->n_kv, hd = m->head_dim, I = m->inter;
     if (pos + T > max_len) return -3;
@@ -136,13 +209,13 @@ int kq_forward(const kq_model *m, float *const *k_cache, float *const *v_cache, 
         }
         kq_rope(q, T, H, hd, cos, sin);
         kq_rope(k, T, KV, hd, cos, sin);
-        float *kc = k_cache[l], *vc = v_cache[l];
+        void *kc = k_cache[l], *vc = v_cache[l];
         for (int64_t t = 0; t < T; t++)
             for (int64_t j = 0; j < KV; j++) {
-                memcpy(kc + (j * max_len + pos + t) * hd, k + (t * KV + j) * hd, (size_t)hd * 4);
-                memcpy(vc + (j * max_len + pos + t) * hd, v + (t * KV + j) * hd, (size_t)hd * 4);
+                kv_store(kc, kv_f16, (j * max_len + pos + t) * hd, k + (t * KV + j) * hd, hd);
+                kv_store(vc, kv_f16, (j * max_len + pos + t) * hd, v + (t * KV + j) * hd, hd);
             }
-        rc |= kq_attention(q, kc, vc, max_len, T, pos + T, H, KV, hd, att);
+        rc |= kq_attention(q, kc, vc, max_len, T, pos + T, H, KV, hd, kv_f16, att);
         rc |= linear(&L->o, att, T, o);
         for (int64_t i = 0; i < T * D; i++) h[i] += o[i];
         kq_rms_norm(h, L->mlp_norm, T, D, m->eps, xn);
