@@ -108,6 +108,10 @@ class LlamaCppPeer:
         """Logits (T, vocab) at every position of tokens."""
         return self._call(op="logits", tokens=tokens)
 
+    def turn(self, tokens: list[int], reuse: bool, decode: int = 0) -> dict:
+        """Time to the first token of `tokens` (ttft_ms), reusing the KV prefix of the context or not (cached)."""
+        return self._call(op="turn", tokens=list(tokens), reuse=reuse, decode=decode)
+
     def bench(self, prompt_len: int, decode: int, runs: int = 3, warmup: bool = True) -> dict:
         """Median prefill and decode tok/s over runs (after one untimed warm-up run unless warmup=False)."""
         return self._call(op="bench", prompt_len=prompt_len, decode=decode, runs=runs, warmup=warmup)
@@ -185,6 +189,25 @@ def _serve() -> None:
                     decode.append(req["decode"] / (t3 - t2))
             return {"prefill_tok_s": statistics.median(prefill), "decode_tok_s": statistics.median(decode),
                     "prefill_runs": prefill, "decode_runs": decode}
+        if op == "turn":  # time to the first token of a prompt, reusing the context's KV prefix or not
+            tokens = [int(t) for t in req["tokens"]]
+            if not req["reuse"]:
+                llm.reset()
+            t0 = time.perf_counter()
+            n = 0
+            if req["reuse"]:  # what llama-cpp-python's generate() and llama.cpp's server cache_prompt do
+                for a, b in zip(llm._input_ids[:llm.n_tokens].tolist(), tokens[:-1]):
+                    if a != b:
+                        break
+                    n += 1
+                llm.n_tokens = n  # eval() drops the KV past n before it runs the rest
+            llm.eval(tokens[n:])
+            tok = argmax_last()
+            ms = (time.perf_counter() - t0) * 1000.0
+            for _ in range(req.get("decode", 0)):  # the answer joins the context, as in a conversation
+                llm.eval([tok])
+                tok = argmax_last()
+            return {"ttft_ms": ms, "cached": n}
         raise ValueError(f"unknown op {op!r}")
 
     for line in sys.stdin:
