@@ -86,7 +86,6 @@ class WorkerStats:
     requests_started: int = 0
     requests_finished: int = 0
     requests_cancelled: int = 0
-    requests_failed: int = 0
     requests_abandoned: int = 0         # left the queue before their turn (client gone, shutdown)
     prompt_tokens: int = 0
     cached_tokens: int = 0              # prompt tokens reused from the KV cache (part of prompt_tokens)
@@ -98,10 +97,9 @@ class WorkerStats:
 
 
 class _Job:
-    def __init__(self, request: Any, send: trio.MemorySendChannel, done: trio.Event):
+    def __init__(self, request: Any, send: trio.MemorySendChannel):
         self.request = request
         self.send = send
-        self.done = done
         self.trace = JobTrace(prompt_tokens=len(getattr(request, "prompt_ids", ())))
         self._cancel = False
         self._lock = threading.Lock()
@@ -193,11 +191,8 @@ class Worker:
             s.requests_cancelled += 1
             log.info("generation cancelled (client gone or shutdown) after %d prefill chunks and %d tokens; "
                      "%d token(s) after the cancel", t.prefill_chunks or 0, t.tokens, t.tokens_after_cancel)
-        elif t.finish_reason is None:
-            s.requests_failed += 1
         s.traces.append(t)
         self._avg_job_s = 0.8 * self._avg_job_s + 0.2 * max(0.0, t.finished - t.started)
-        job.done.set()
         self._slot.release()
 
     def _loaded(self, loaded: Any) -> None:
@@ -311,7 +306,7 @@ class Ticket:
         """Hand the request to the engine thread; events arrive on the returned channel, FinishEvent last."""
         assert self._holding and self._job is None
         send, recv = trio.open_memory_channel(math.inf)
-        self._job = _Job(request, send, trio.Event())
+        self._job = _Job(request, send)
         self._holding = False  # the job owns the slot now; the engine thread's end-of-job report frees it
         self._worker._jobs.put(self._job)
         return recv
@@ -344,8 +339,3 @@ class Ticket:
         if self._holding:
             self._holding = False
             self._worker._slot.release()
-
-    async def wait_done(self) -> None:
-        """Wait until the engine has finished this ticket's job (if it started one)."""
-        if self._job is not None:
-            await self._job.done.wait()

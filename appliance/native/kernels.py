@@ -202,10 +202,12 @@ X8 = 0x100  # qtype flag of the x8 layout (src/repack.c)
 
 
 def repack_x8(qtype, w: np.ndarray) -> np.ndarray:
-    """Rows of a Q8_0/Q4_0/Q4_1 tensor -> the x8 layout the fastest kernels read (twins.repack_x8)."""
+    """Rows of a tensor of one of twins.X8_TYPES (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) -> the x8 layout the fastest
+    kernels read (twins.repack_x8)."""
+    from .twins import X8_TYPES
     qtype = QType(int(qtype))
     w, n = _rows(qtype, w)
-    if qtype not in (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q6_K):
+    if qtype not in X8_TYPES:
         raise ValueError(f"{qtype.name} has no x8 layout")
     out = np.empty(((w.shape[0] + 7) // 8, x8_row_bytes(qtype, n)), np.uint8)
     _check(_lib.kq_repack_x8(int(qtype), _ptr(w), w.shape[0], n, _ptr(out)), "repack_x8")

@@ -12,8 +12,6 @@ from typing import Any, Mapping
 
 from appliance.protocol.errors import ApiError
 
-MISSING: Any = object()
-
 _EXPECT = {"integer": "an integer", "number": "a number", "boolean": "a boolean", "string": "a string",
            "array": "an array", "object": "an object"}
 
