@@ -13,17 +13,10 @@ from typing import Callable
 
 import numpy as np
 
+from appliance.native.ops_numpy import grouped_attention, rms_norm, rotate_half, swiglu
+
 from .config import Qwen3Config
 from .kv_cache import KVCache
-
-
-def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    var = np.mean(x * x, axis=-1, keepdims=True)
-    return x / np.sqrt(var + eps) * w
-
-
-def silu(x: np.ndarray) -> np.ndarray:
-    return x / (1.0 + np.exp(-x))
 
 
 def rope_cos_sin(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
@@ -34,9 +27,7 @@ def rope_cos_sin(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """Rotate-half RoPE on x (n, T, hd) with cos/sin (T, hd/2)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotate_half(x, cos, sin)
 
 
 class SwiGLU:
@@ -44,7 +35,7 @@ class SwiGLU:
         self.gate, self.up, self.down = gate, up, down
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        return self.down(silu(self.gate(x)) * self.up(x))  # (T, hidden)
+        return self.down(swiglu(self.gate(x), self.up(x)))  # (T, hidden)
 
 
 @dataclass
@@ -101,18 +92,8 @@ def attention(cfg: Qwen3Config, a: Attention, x: np.ndarray, cache: KVCache, lay
     k = apply_rope(k.transpose(1, 0, 2), cos, sin)  # (KV, T, hd)
     v = v.reshape(T, KV, hd).transpose(1, 0, 2)  # (KV, T, hd)
     keys, values = cache.update(layer, k, v)  # (KV, S, hd)
-    S = keys.shape[1]
-    g = q.reshape(KV, cfg.n_rep * T, hd)  # heads sharing a KV head, stacked: (KV, n_rep*T, hd)
-    scores = g @ keys.transpose(0, 2, 1) * np.float32(1.0 / np.sqrt(hd))  # (KV, n_rep*T, S)
-    scores = scores.reshape(KV, cfg.n_rep, T, S)
-    start = S - T
-    if T > 1:  # causal: query i sees keys 0..start+i
-        mask = np.arange(S)[None, :] > (start + np.arange(T))[:, None]  # (T, S)
-        scores = np.where(mask, np.float32(-np.inf), scores)
-    scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    scores /= scores.sum(axis=-1, keepdims=True)
-    out = scores.reshape(KV, cfg.n_rep * T, S) @ values  # (KV, n_rep*T, hd)
-    out = out.reshape(H, T, hd).transpose(1, 0, 2).reshape(T, H * hd)
+    out = grouped_attention(q, keys, values)  # (H, T, hd)
+    out = out.transpose(1, 0, 2).reshape(T, H * hd)
     return a.o(out)  # (T, hidden)
 
 

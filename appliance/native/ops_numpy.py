@@ -6,37 +6,50 @@ import numpy as np
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """x (T, n), w (n,) -> x / sqrt(mean(x^2) + eps) * w."""
-    var = np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True)
-    return (x / np.sqrt(var + eps) * w).astype(np.float32)
+    """x (..., n), w (n,) -> x / sqrt(mean(x^2) + eps) * w, in float32 (the engine's numpy layers use this too)."""
+    var = np.mean(x * x, axis=-1, keepdims=True)
+    return x / np.sqrt(var + eps) * w
+
+
+def rotate_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate-half RoPE on x (..., hd) with cos/sin broadcasting to (..., hd/2): the one RoPE formula."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """Rotate-half RoPE on x (T, nh, hd) with cos/sin (T, hd/2)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]  # (T, 1, hd/2)
-    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(np.float32)
+    return rotate_half(x, cos[:, None, :], sin[:, None, :]).astype(np.float32)
 
 
 def swiglu(g: np.ndarray, u: np.ndarray) -> np.ndarray:
-    return (g / (1.0 + np.exp(-g)) * u).astype(np.float32)
+    """silu(g) * u (the engine's SwiGLU MLP uses this too)."""
+    return g / (1.0 + np.exp(-g)) * u
+
+
+def grouped_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Causal grouped-query attention in float32: q (H, T, hd) for the last T of S positions, keys/values
+    (KV, S, hd) -> (H, T, hd). The one formula: the engine's numpy layers and the twin below."""
+    H, T, hd = q.shape
+    KV, S = keys.shape[:2]
+    g = q.reshape(KV, H // KV * T, hd)  # heads sharing a KV head, stacked: (KV, rep*T, hd)
+    scores = g @ keys.transpose(0, 2, 1) * np.float32(1.0 / np.sqrt(hd))  # (KV, rep*T, S)
+    scores = scores.reshape(KV, H // KV, T, S)
+    if T > 1:  # causal: query i sees keys 0..S-T+i
+        mask = np.arange(S)[None, :] > (S - T + np.arange(T))[:, None]  # (T, S)
+        scores = np.where(mask, np.float32(-np.inf), scores)
+    scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    scores /= scores.sum(axis=-1, keepdims=True)
+    return (scores.reshape(KV, H // KV * T, S) @ values).reshape(H, T, hd)
 
 
 def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, S: int) -> np.ndarray:
     """Causal grouped-query attention: q (T, H, hd) for the last T of S positions, caches (KV, max_len, hd)
     of float32 or float16 (widened exactly, computed in float32) -> (T, H, hd)."""
-    T, H, hd = q.shape
-    KV = k_cache.shape[0]
     k, v = (a[:, :S].astype(np.float32) for a in (k_cache, v_cache))  # (KV, S, hd)
-    g = q.transpose(1, 0, 2).reshape(KV, H // KV * T, hd)  # heads sharing a KV head: (KV, rep*T, hd)
-    scores = (g @ k.transpose(0, 2, 1) / np.sqrt(hd)).reshape(KV, H // KV, T, S)
-    mask = np.arange(S)[None, :] > (S - T + np.arange(T))[:, None]  # (T, S)
-    scores = np.where(mask, -np.inf, scores)
-    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    out = p.reshape(KV, H // KV * T, S) @ v  # (KV, rep*T, hd)
-    return out.reshape(H, T, hd).transpose(1, 0, 2).astype(np.float32)
+    out = grouped_attention(np.ascontiguousarray(q.transpose(1, 0, 2)), k, v)
+    return out.transpose(1, 0, 2).astype(np.float32)
 
 
 def route(x: np.ndarray, router: np.ndarray, top_k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
