@@ -178,7 +178,7 @@ class Api:
         await ex.respond(200, page.headers, page.body)
 
     async def props(self, ex: Exchange) -> None:
-        from .cli import version
+        from .version import version
         loaded = self.worker.loaded if self.worker.state == "ready" else None
         await self.send_json(ex, web.props(self.cfg.model_name, loaded, f"kestrel-appliance {version()}"))
 

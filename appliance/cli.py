@@ -22,6 +22,8 @@ import os
 import signal
 import sys
 
+from .version import version
+
 PROG = "kestrel-appliance"
 ENGINE_STOP_S = 0.5   # after the last connection: how long the engine thread gets to leave its computation
 log = logging.getLogger("appliance")
@@ -29,14 +31,6 @@ log = logging.getLogger("appliance")
 
 class CliError(Exception):
     """A user-facing failure: printed as one line, exit status 1."""
-
-
-def version() -> str:
-    try:
-        from importlib.metadata import version as dist_version
-        return dist_version("kestrel-appliance")
-    except Exception:
-        return "0+unknown"
 
 
 def build_parser() -> argparse.ArgumentParser:

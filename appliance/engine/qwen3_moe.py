@@ -13,7 +13,7 @@ below, its twin. Layers listed in `mlp_only_layers`, or not on the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
