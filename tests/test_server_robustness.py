@@ -357,3 +357,12 @@ def test_image_decoding_is_serialized_bounded_and_stops_when_the_client_leaves(v
     assert after - left <= 1, f"{after - left} images decoded after the client left"
     assert mem.growth < 1200 * 2**20, f"peak RSS grew {mem.growth / 2**20:.0f} MB"
     assert rss_bytes() - mem.base < 200 * 2**20, "memory stayed resident after the burst"
+
+
+# ---- found by the generated requests of the system tier ------------------------------------------------------
+
+def test_a_positive_temperature_below_float32_is_served(server):
+    """temperature=1e-300 is > 0 (so not greedy) but 0 in float32: it divided by zero and answered 500."""
+    for body in (chat_body("Hi", max_tokens=2, temperature=1e-300), chat_body("Hi", max_tokens=2, temperature=5e-45)):
+        r, payload = post(server, body)
+        assert r.status == 200, payload

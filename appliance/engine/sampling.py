@@ -28,6 +28,9 @@ import numpy as np
 MAX_TOP_LOGPROBS = 20
 
 
+MIN_TEMPERATURE = 1e-6  # smaller positive temperatures sample as this one (already greedy in effect)
+
+
 class SamplingParamError(ValueError):
     """An out-of-range sampling parameter; `.param` names the offending field."""
 
@@ -215,7 +218,8 @@ class Sampler:
         if p.greedy:
             raise ValueError("sampling filters need temperature > 0; greedy takes the argmax")
         V = x.shape[0]
-        t = np.float32(p.temperature)
+        t = np.float32(max(p.temperature, MIN_TEMPERATURE))  # a positive temperature that float32 rounds to 0
+        # would divide by zero (inf/NaN weights, an empty candidate set)
         if 0 < p.top_k < V:
             kth = np.partition(x, V - p.top_k)[V - p.top_k]
             ids = np.flatnonzero(x >= kth)                         # (n,) ties with the k-th kept (transformers)
