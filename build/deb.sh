@@ -9,7 +9,8 @@
 # user's edits), maintainer scripts (build/deb/): postinst creates the account and an API key and enables the
 # unit, starting it only on a running systemd (never in a chroot / image build); purge removes everything but
 # /var/lib/kestrel-appliance/models. Depends on libc6 >= the highest glibc the executable needs
-# (build/glibc_needs.py, which needs a Python with PyInstaller: $KESTREL_BUILD_PYTHON or the x86_64 build venv),
+# (build/glibc_needs.py, run by a Python with PyInstaller: $KESTREL_BUILD_PYTHON, the x86_64 build venv or a venv
+# of its own in ~/.cache/kestrel-build/venv-tools),
 # unless --libc is given.
 set -euo pipefail
 
@@ -43,7 +44,12 @@ esac
 VERSION=${VERSION:-$(python3 -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["project"]["version"])' "$REPO/pyproject.toml")}
 if [ -z "$LIBC" ]; then
     PY=${KESTREL_BUILD_PYTHON:-$CACHE/venv-x86_64/bin/python}
-    [ -x "$PY" ] || die "no Python with PyInstaller to read the glibc need ($PY); pass --libc X.Y"
+    if ! { [ -x "$PY" ] && "$PY" -c "import PyInstaller" 2>/dev/null; }; then  # a small venv of its own
+        PY=$CACHE/venv-tools/bin/python
+        [ -x "$PY" ] || python3 -m venv "$CACHE/venv-tools"
+        "$PY" -m pip install -q --disable-pip-version-check "pyinstaller==${PYINSTALLER_VERSION:-6.22.3}" >&2 \
+            || die "cannot install PyInstaller (to read the glibc need); pass --libc X.Y"
+    fi
     LIBC=$("$PY" "$REPO/build/glibc_needs.py" "$BINARY" | sed -n 's/^glibc minimum: \([0-9.]*\).*/\1/p')
     [ -n "$LIBC" ] || die "glibc_needs.py found no glibc version in $BINARY"
 fi

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install the project with its test extras into .venv and run the whole test suite.
+# Install the project with its test extras into .venv and run the whole test suite (with no arguments: build and
+# smoke-test the aarch64 executable first; with arguments: pytest on those only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
@@ -8,10 +9,42 @@ cd "$(dirname "$0")/.."
 # the aarch64 cross compiler + qemu-user (tests/test_native_qemu_aarch64.py), debootstrap + binfmt + systemd
 # (tests/test_image_install.py installs into an arm64 root file system and runs systemd-analyze verify),
 # chromium (tests/test_web_chat.py drives the chat page in it with playwright).
-packages="nginx gcc-aarch64-linux-gnu qemu-user-static binfmt-support debootstrap systemd chromium"
+# The aarch64 executable's build (build/build_aarch64.sh, below) cross-compiles CPython with clang/lld here.
+packages="nginx gcc-aarch64-linux-gnu qemu-user-static binfmt-support debootstrap systemd chromium
+          clang lld binutils-aarch64-linux-gnu pkg-config python3.11 make"
 missing=$(for p in $packages; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done)
 if [ -n "$missing" ]; then
     sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
     $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq $missing >/dev/null
+fi
+
+# The full run (no arguments) first builds and smoke-tests the aarch64 executable boards run: built under qemu
+# from a debootstrapped Debian 11 arm64 root (cached in ~/.cache/kestrel-build; from nothing on a fresh machine,
+# ~27 min on two idle cores), then tests/test_frozen_smoke.py runs it under qemu (health, streamed chat, images,
+# sd_notify, SIGTERM, one-shot) and build/deb.sh packages it. A failing build is retried (mirrors and PyPI
+# flake; cached steps are not repeated); a failure stops here with the log's tail, before the suite.
+# KESTREL_AARCH64=0 leaves this stage out of a local full run; CI (.ci/run) always runs it.
+if [ $# -eq 0 ] && [ "${KESTREL_AARCH64:-1}" != 0 ]; then
+    sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
+    mkdir -p dist
+    log=dist/build-aarch64.log
+    t0=$(date +%s)
+    for attempt in 1 2 3; do
+        if $sudo bash build/build_aarch64.sh >"$log" 2>&1; then
+            break
+        fi
+        echo "test.sh: aarch64 build attempt $attempt failed after $(( $(date +%s) - t0 )) s; last lines of $log:" >&2
+        tail -n 25 "$log" >&2
+        [ "$attempt" -lt 3 ] || { echo "test.sh: FAILED: aarch64 build (log: $log)" >&2; exit 1; }
+        sleep 30
+    done
+    t1=$(date +%s)
+    echo "test.sh: aarch64 build $(( t1 - t0 )) s ($(grep -o 'build_aarch64: \[[0-9]*s\] [a-z]*' "$log" | tr '\n' ' '))"
+    KESTREL_FROZEN_BINARY=dist/aarch64/kestrel-appliance .venv/bin/python -m pytest -q -p no:cacheprovider \
+        tests/test_frozen_smoke.py \
+        || { echo "test.sh: FAILED: aarch64 smoke test (tests/test_frozen_smoke.py under qemu)" >&2; exit 1; }
+    t2=$(date +%s)
+    deb=$(bash build/deb.sh --arch arm64 2>>"$log") || { echo "test.sh: FAILED: build/deb.sh --arch arm64" >&2; exit 1; }
+    echo "test.sh: aarch64 smoke $(( t2 - t1 )) s; $(stat -c %s dist/aarch64/kestrel-appliance) bytes; $deb"
 fi
 exec .venv/bin/python -m pytest -q "$@"

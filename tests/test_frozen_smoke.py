@@ -71,6 +71,16 @@ def run_exe(c: dict, *args: str, timeout: float | None = None) -> subprocess.Com
                           timeout=timeout or c["timeout"])
 
 
+def kill_group(proc: subprocess.Popen) -> None:
+    """After a failure: SIGKILL the executable's whole session. Killing the one-file bootloader alone would
+    leave its Python child serving, holding the output pipes open (communicate() would wait forever)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.communicate()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -144,7 +154,8 @@ def test_serves_a_streamed_chat_and_exits_0_on_sigterm(clean_dir, tmp_path):
     t0 = time.monotonic()
     proc = subprocess.Popen(["/bin/sh", "-c", 'WATCHDOG_PID=$$ exec "$0" "$@"', c["exe"], "--model", "tiny-qwen3",
                              "--host", "127.0.0.1", "--port", str(port), "--api-key-file", "api-key", "--threads", "2"],
-                            cwd=c["dir"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=c["dir"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
         cold_start = None
         while time.monotonic() - t0 < c["timeout"]:
@@ -202,9 +213,7 @@ def test_serves_a_streamed_chat_and_exits_0_on_sigterm(clean_dir, tmp_path):
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        kill_group(proc)
         time.sleep(0.5)  # the last datagrams in flight
         listening[0] = False
         reader.join()
@@ -262,7 +271,8 @@ def test_images_decode_in_the_frozen_executable(frozen_binary, tmp_path, tmp_pat
         env["QEMU_CPU"], timeout = "cortex-a76", 600
     port = free_port()
     proc = subprocess.Popen([exe, "--model", model_dir, "--port", str(port), "--log-level", "warning"],
-                            cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
@@ -294,6 +304,4 @@ def test_images_decode_in_the_frozen_executable(frozen_binary, tmp_path, tmp_pat
         proc.communicate(timeout=60)
         assert proc.returncode == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        kill_group(proc)
