@@ -4,14 +4,15 @@ streaming; the mechanism is page_release's madvise, as `--moe-release-pages` use
 
 Policies:
 - What the budget counts: the resident pages of the model's file mappings (Rss of those mappings in
-  /proc/self/smaps). Every weight is read in place from the mapping: the native kernels' x8 rearranged copy is
-  not made (it is anonymous memory the budget could not release); the kernels are the same, so the greedy
-  tokens are the same as without the budget.
+  /proc/self/smaps) plus the x8 rearranged copies of the pinned matrices. Streamed weights are read in place
+  from the mapping (an x8 copy would be anonymous memory no release could reach); pinned ones get the x8 copy
+  (full speed; their file pages are released once copied). Both layouts give the same products, so the
+  greedy tokens are the same as without the budget.
 - Plan: every token walks the layers in order, so a least-recently-used policy would evict each layer just
   before it is needed again. Instead the first layers (then the output head) stay resident after their first
   use ("pinned") while the pinned bytes plus the largest streamed unit fit the budget; each other layer's pages
   are released right after the layer ran. The output head of a streamed model runs in row slabs no larger than
-  a layer, each released after its product; embedding rows are looked up and released.
+  a layer, each released after its product; embedding rows are looked up and their pages released.
 - Pages outside the weights (metadata, the tokenizer's strings in a GGUF) are released once at setup.
 - Dense models only (qwen3/qwen2/llama): mixture-of-experts layers have `--moe-release-pages`.
 """
@@ -159,18 +160,23 @@ class LayerStreaming:
         fixed = sum(_span(v, False) for v in vectors) + (2 << 20)  # norms, embedding rows of a prompt, slack
         layer_bytes = [sum(_span(a) for a in arrays) for arrays in self.layer_arrays]
         self.plan = plan_budget(layer_bytes, head_bytes, row_bytes, fixed, budget)  # may refuse: nothing changed yet
+        pinned = [w for l in model.layers[:self.plan.pinned_layers] for w in (
+            *(getattr(l.attn, n) for n in _LINEARS), *(getattr(l.mlp, n) for n in _MLP))]
+        if self.plan.head_pinned:
+            pinned.append(head)
+        keep = {id(w) for w in pinned}
         for w in {id(x): x for x in [model.embed, head] + [w for l in model.layers for w in (
                 *(getattr(l.attn, n) for n in _LINEARS), *(getattr(l.mlp, n) for n in _MLP))]}.values():
-            if isinstance(w, QuantWeight):  # read in place: no anonymous x8 copy
+            if isinstance(w, QuantWeight) and id(w) not in keep:  # streamed: read in place, no x8 copy
                 w.repack, w._x8, w._native_matmul = False, None, None
-        if head_mapped and not self.plan.head_pinned:
-            streamed = StreamedHead(head, self.plan.head_slab_rows)
-            if model.embed is head:
-                model.embed = streamed
-            model.lm_head = streamed
+        # pinned matrices keep (or make, at their first product) the x8 copy: resident as anonymous memory
+        # instead of file pages (same size, counted by resident_bytes), at full speed
+        self.copies = [w for w in pinned if isinstance(w, QuantWeight)]
         emb = weight_array(model.embed)
-        if model.embed is not model.lm_head and emb is not None and is_file_mapped(emb) and not self.plan.head_pinned:
-            model.embed = StreamedHead(model.embed, self.plan.head_slab_rows)  # rows() only
+        if emb is not None and is_file_mapped(emb):  # rows are looked up, then their pages released
+            model.embed = StreamedHead(model.embed, self.plan.head_slab_rows)
+        if head_mapped and not self.plan.head_pinned:
+            model.lm_head = StreamedHead(head, self.plan.head_slab_rows)
         from appliance.native.decoder import forget
         forget(model)  # a native decoder built before would read the x8 copies
         self.mappings = {id(b): b for b in (_mapping_base(a) for arrays in self.layer_arrays for a in arrays)
@@ -184,9 +190,11 @@ class LayerStreaming:
             release_pages(v)
 
     def resident_bytes(self) -> int:
-        """Resident bytes of the model's file mappings now (/proc/self/pagemap); -1 where not available."""
+        """Resident weight bytes now: the model's file mappings (/proc/self/pagemap) plus the pinned matrices'
+        x8 copies; -1 where /proc is not available."""
         counts = [resident_bytes(v) for v in self.mapping_views]
-        return -1 if -1 in counts else sum(counts)
+        copies = sum(w._x8.nbytes for w in self.copies if w._x8 is not None)
+        return -1 if -1 in counts else sum(counts) + copies
 
     def layer_done(self, i: int) -> None:
         if i >= self.plan.pinned_layers:
