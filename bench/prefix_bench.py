@@ -50,15 +50,24 @@ def ours_turn(engine, ids, n=1):
     return fin
 
 
+class _Nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--histories", default="1000,4000")
     ap.add_argument("--model", help="a .gguf file (default: the random Qwen3-1.7B-shaped Q4_0 of gguf_bench)")
+    ap.add_argument("--rss-tokens", type=int, default=1000, help="history length of the 4 cached conversations")
     args = ap.parse_args(argv)
     path = args.model or bench_file("q4_0")[1]
-    histories = [int(x) for x in args.histories.split(",")]
-    ctx = max(histories + [1000]) + ANSWER + NEW_TURN + 64
+    histories = [int(x) for x in args.histories.split(",") if x]
+    ctx = max(histories + [args.rss_tokens]) + ANSWER + NEW_TURN + 64
     print(f"model {os.path.basename(path)}, threads {args.threads}, load average {os.getloadavg()[0]:.1f}, "
           f"{os.cpu_count()} CPUs", flush=True)
     base_rss = rss_mb()
@@ -66,8 +75,9 @@ def main(argv=None) -> int:
     eng = lm.engine
     eng.warm_up()
     rows = []
-    with peer.LlamaCppPeer(path, n_threads=args.threads, n_ctx=ctx) as theirs:
-        theirs.turn(conversation(99, 64)[0], reuse=False)  # pages the weights in
+    with (peer.LlamaCppPeer(path, n_threads=args.threads, n_ctx=ctx) if histories else _Nothing()) as theirs:
+        if histories:
+            theirs.turn(conversation(99, 64)[0], reuse=False)  # pages the weights in
         for i, h in enumerate(histories):
             hist, new = conversation(i, h)
             load = os.getloadavg()[0]
@@ -96,13 +106,13 @@ def main(argv=None) -> int:
     eng.drop_sequence()
     eng.store.clear()
     before = rss_mb()
-    convs = [conversation(100 + j, 1000) for j in range(4)]
+    convs = [conversation(100 + j, args.rss_tokens) for j in range(4)]
     for hist, _ in convs:
         ours_turn(eng, hist, ANSWER)
     t0 = time.perf_counter()
     warm = [ours_turn(eng, hist + new).timings.cache_n for hist, new in convs]  # each turn 2 finds its copy
     after = rss_mb()
-    print(f"4 conversations of 1000 tokens: turn 2 reused {warm} tokens ({(time.perf_counter() - t0):.1f} s); "
+    print(f"4 conversations of {args.rss_tokens} tokens: turn 2 reused {warm} tokens ({(time.perf_counter() - t0):.1f} s); "
           f"store {eng.store.nbytes / 2**20:.0f} MB in {len(eng.store)} copies; RSS {base_rss:.0f} MB before load, "
           f"{before:.0f} MB loaded, {after:.0f} MB with 4 conversations", flush=True)
     print()
@@ -116,7 +126,7 @@ def main(argv=None) -> int:
               f"| {r['ours_reuse'] / r['theirs_reuse']:.2f}x | {r['load']:.1f} |")
     print()
     print(f"KV bytes/token: f16 {f16_bpt} ({f16_bpt * 4096 / 2**20:.0f} MB per 4K context), f32 {f32_bpt}; "
-          f"RSS with 4 cached 1K conversations: {after:.0f} MB ({after - before:+.0f} MB over the loaded model; "
+          f"RSS with 4 cached {args.rss_tokens}-token conversations: {after:.0f} MB ({after - before:+.0f} MB over the loaded model; "
           f"copies {eng.store.nbytes / 2**20:.0f} MB)")
     return 0
 
