@@ -133,7 +133,7 @@ class Exchange:
                       reason: bytes | None = None) -> None:
         headers = list(headers) + [(b"Content-Length", str(len(body)).encode("ascii"))]
         await self.start_stream(status, headers, reason)
-        if body:
+        if body and self.method != "HEAD":  # a HEAD response has the headers of the GET one and no body
             await self.send(body)
         await self.end_stream()
 

@@ -366,3 +366,14 @@ def test_a_positive_temperature_below_float32_is_served(server):
     for body in (chat_body("Hi", max_tokens=2, temperature=1e-300), chat_body("Hi", max_tokens=2, temperature=5e-45)):
         r, payload = post(server, body)
         assert r.status == 200, payload
+
+
+def test_head_requests_get_a_head_without_a_body_and_the_connection_goes_on(server):
+    """HEAD on any path was answered with a body h11 refused to frame (an unhandled error, the connection cut)."""
+    c = RawClient(server.port, timeout=10)
+    c.send(request_bytes("HEAD", "/metrics") + request_bytes("GET", "/health"))
+    r = c.read_head()
+    assert r.status == 405 and int(r.header("content-length")) > 0
+    r2 = c.read_head()  # no body in between: the next response follows at once on the same connection
+    assert r2.status == 200 and json.loads(c.read_body(r2))["status"] == "ok"
+    c.close()
