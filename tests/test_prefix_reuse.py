@@ -259,3 +259,19 @@ def test_vl_a_different_image_stops_reuse_at_its_start(vl):
     fin = greedy(eng, text, 4)
     assert fin.timings.cache_n <= start and fin.token_ids == greedy(ref, text, 4).token_ids
     assert np.all(np.asarray(eng.cache_tokens) != IMAGE_PAD)
+
+
+def test_four_conversations_keep_one_copy_each(dense):
+    """Turn 1 then turn 2 of four conversations: each turn 2 reuses its whole history, and the store keeps one
+    copy per conversation (a turn-1 copy is superseded by its turn 2, which drops only the answer's tail)."""
+    eng = fresh_engine(dense, cache_bytes=64 << 20)
+    convs = [render(dense, [{"role": "system", "content": f"Kiosk {i}. " * 15}, {"role": "user", "content": "Hi"}],
+                    enable_thinking=False) for i in range(4)]
+    for ids in convs:
+        greedy(eng, ids, 5)
+    more = render(dense, [{"role": "user", "content": "More"}])[-6:]
+    for ids in convs:
+        assert greedy(eng, ids + more, 2).timings.cache_n == len(ids)
+    greedy(eng, convs[0][:5] + [42] * 20, 2)  # a fifth sequence: the last turn 2 is copied aside too
+    assert len(eng.store) == 4
+    assert sorted(len(e.tokens) for e in eng.store) == sorted(len(ids) + len(more) + 1 for ids in convs)

@@ -160,7 +160,7 @@ class Engine:
             self._stash_active(reserve=len(ids) * self.cache.bytes_per_token)
         if entry is not None and n_saved > n_active:
             self.cache.load_prefix(entry.k, entry.v, n_saved)
-            if n_saved == len(entry.tokens):  # wholly active now; copied back when it is left
+            if n_saved >= len(entry.tokens) - self.store.slack:  # (nearly) all active now; copied back when left
                 self.store.discard(entry)
             else:
                 self.store.touch(entry)

@@ -6,7 +6,8 @@ Policies:
   share the longest common prefix of ids, cut at the start of the first image run that differs.
 - The engine's active cache is one sequence; `PrefixStore` keeps copies of earlier ones (only their used
   positions) under a byte budget, least recently used first out. A sequence that is a prefix of another
-  adds nothing and is not kept twice.
+  adds nothing and is not kept twice; one that another extends after dropping at most `slack` tokens of its
+  own (a conversation's turn-1 copy, whose answer tokens turn 2 re-tokenized) is superseded by it.
 """
 from __future__ import annotations
 
@@ -72,8 +73,9 @@ class CachedSequence:
 class PrefixStore:
     """Copies of earlier sequences under `budget` bytes, most recently used last."""
 
-    def __init__(self, budget: int):
+    def __init__(self, budget: int, slack: int = 64):
         self.budget = max(0, int(budget))
+        self.slack = slack
         self._entries: collections.OrderedDict[int, CachedSequence] = collections.OrderedDict()
         self._next = 0
 
@@ -113,8 +115,7 @@ class PrefixStore:
         if entry.nbytes + reserve > self.budget:
             return False
         for key, e in list(self._entries.items()):
-            if len(e.tokens) <= len(entry.tokens) and \
-                    common_prefix(e.tokens, e.images, entry.tokens, entry.images) == len(e.tokens):
+            if self.supersedes(entry, e):
                 del self._entries[key]
         while self._entries and self.nbytes + entry.nbytes + reserve > self.budget:
             self._entries.popitem(last=False)
@@ -124,6 +125,10 @@ class PrefixStore:
 
     def clear(self) -> None:
         self._entries.clear()
+
+    def supersedes(self, new: CachedSequence, old: CachedSequence) -> bool:
+        """Whether keeping `new` makes `old` not worth its memory (it adds at most `slack` tokens of its own)."""
+        return common_prefix(old.tokens, old.images, new.tokens, new.images) >= len(old.tokens) - self.slack
 
     def discard(self, entry: CachedSequence) -> None:
         for key, e in list(self._entries.items()):
