@@ -1,4 +1,4 @@
-"""The C decoder operations equal their numpy twins, and NativeDecoder (one C call per forward) equals
+"""The C decoder operations equal their numpy twins, and the native layers (one C call per forward) equal
 qwen3.forward_hidden on random models of each flavour (qwen3: q/k norms; qwen2: q/k/v biases; llama:
 neither) and each weight kind (quantized GGUF blocks, float32, BF16), prefill then decode."""
 import os
@@ -9,10 +9,10 @@ import pytest
 
 from appliance.engine import qwen3
 from appliance.engine.config import Qwen3Config
+from appliance.engine.layer_runner import NativeLayers, choose_runner, native_layers
 from appliance.engine.quant_weights import QuantWeight
 from appliance.engine.weights import DenseWeight, HalfWeight
 from appliance.native import kernels, ops_numpy
-from appliance.native.decoder import NativeDecoder
 from appliance.native.qtypes import QType
 from tests.support.ggml_blocks import random_weight
 
@@ -85,7 +85,7 @@ def _model(flavour, kinds, rng, D=256, H=4, KV=2, hd=64, I=512, L=2, V=97):
 def test_native_decoder_equals_numpy_forward(flavour, kinds, tol):
     rng = np.random.default_rng(zlib.crc32(" ".join((flavour, *kinds)).encode()))
     m = _model(flavour, kinds, rng)
-    dec = NativeDecoder.build(m)
+    dec = native_layers(m)
     assert dec is not None
     ca, cb = m.new_cache(64), m.new_cache(64)
     cfg = m.config
@@ -108,31 +108,29 @@ def test_build_declines_what_it_cannot_serve():
     rng = np.random.default_rng(1)
     m = _model("qwen3", ["Q8_0"], rng)
     m.layers[1].mlp = lambda x: x  # e.g. a mixture-of-experts block
-    assert NativeDecoder.build(m) is None
+    assert native_layers(m) is None
     m = _model("qwen3", ["Q8_0"], rng)
     m.layers[0].attn.q = QuantWeight(m.layers[0].attn.q.qtype, m.layers[0].attn.q.shape, m.layers[0].attn.q.raw,
                                      native=False)
-    assert NativeDecoder.build(m) is None
+    assert native_layers(m) is None
 
 
-def test_native_decoder_is_built_once_per_model():
-    from appliance.native.decoder import _BUILT, native_decoder
-    rng = np.random.default_rng(2)
-    m = _model("llama", ["Q8_0"], rng, L=1)
-    d = native_decoder(m)
-    assert d is not None and native_decoder(m) is d
-    key = id(m)
-    del m, d
-    import gc
-    gc.collect()
-    assert key not in _BUILT
+def test_runner_is_chosen_once_at_load(tiny_qwen3_tied):
+    from appliance.engine.load import load_model
+    m = load_model(tiny_qwen3_tied).model
+    assert isinstance(m.runner, NativeLayers)
+    m = _model("qwen3", ["Q8_0"], np.random.default_rng(2), L=1)
+    assert m.runner is None  # a model built by hand runs its numpy layers until a runner is chosen
+    m.layers[0].mlp = lambda x: x
+    choose_runner(m)
+    assert m.runner is None
 
 
 def test_forward_hidden_takes_the_native_path_when_served():
-    from appliance.native.decoder import native_decoder
     rng = np.random.default_rng(3)
     m = _model("qwen3", ["Q8_0"], rng, L=1)
-    dec = native_decoder(m)
+    choose_runner(m)
+    dec = m.runner.decoder
     calls = []
     orig = dec.forward_layers
     dec.forward_layers = lambda *a: calls.append(1) or orig(*a)
@@ -141,7 +139,7 @@ def test_forward_hidden_takes_the_native_path_when_served():
     assert calls == [1] and cache.length == 3 and logits.shape == (m.config.vocab_size,)
     half = m.new_cache(16)
     half.k = [a.astype(np.float16) for a in half.k]  # not a cache the C side writes: the numpy layers run
-    assert not dec.serves(half)
+    assert not m.runner.serves(half)
     m.forward(np.array([1]), half)
     assert calls == [1] and half.length == 1
 
@@ -151,7 +149,8 @@ def test_after_layer_hook_runs_between_native_layers():
     C call per layer and applies the hook's result, equal to the numpy layers with the same hook."""
     rng = np.random.default_rng(5)
     m = _model("qwen3", ["f32"], rng)
-    assert NativeDecoder.build(m) is not None
+    choose_runner(m)
+    assert m.runner is not None
     T, D = 5, m.config.hidden_size
     h = rng.standard_normal((T, D)).astype(np.float32)
     extra = rng.standard_normal((T, D)).astype(np.float32)
@@ -189,7 +188,7 @@ def test_attention_reads_float16_caches_like_its_twin():
 def test_native_decoder_writes_float16_caches_rounded_like_numpy(kinds):
     rng = np.random.default_rng(zlib.crc32(("f16 " + kinds[0]).encode()))
     m = _model("qwen3", kinds, rng)
-    dec = NativeDecoder.build(m)
+    dec = native_layers(m)
     full, half, ref = m.new_cache(64), m.new_cache(64, np.float16), m.new_cache(64, np.float16)
     assert dec.serves(half) and half.bytes_per_token * 2 == full.bytes_per_token
     cfg = m.config

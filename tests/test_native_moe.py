@@ -70,12 +70,13 @@ def test_native_moe_decoder_equals_numpy_layers(kind, request):
     from appliance.engine.load.hf import build_qwen3_moe
     from appliance.engine.qwen3_moe import SparseMoE
     from appliance.engine.safetensors import SafeTensors
-    from appliance.native.decoder import native_decoder
+    from appliance.engine.layer_runner import choose_runner
 
     path = request.getfixturevalue(kind)
     with open(f"{path}/config.json") as f:
         m = build_qwen3_moe(SafeTensors(path), json.load(f))[1]
-    assert native_decoder(m) is not None  # MoE models no longer fall back as a whole
+    choose_runner(m)
+    assert m.runner is not None  # MoE models no longer fall back as a whole
     prompt, nxt = np.array([151644, 872, 198, 9707, 11, 1246, 525, 498, 30]), np.array([151645])
     cache = m.new_cache(32)
     m.forward(prompt, cache, "none")

@@ -7,6 +7,7 @@ import torch
 
 from appliance.engine.generate import GenerationRequest
 from appliance.engine.load import load_model
+from appliance.engine.layer_runner import choose_runner
 from appliance.engine.load.hf import build_qwen3_moe
 from appliance.engine.qwen3_moe import SparseMoE
 from appliance.engine.safetensors import SafeTensors
@@ -22,7 +23,9 @@ def checkpoint(request):
 
 def ours(path):
     with open(f"{path}/config.json") as f:
-        return build_qwen3_moe(SafeTensors(path), json.load(f))[1]
+        m = build_qwen3_moe(SafeTensors(path), json.load(f))[1]
+    choose_runner(m)  # as load_model does
+    return m
 
 
 def reference(path):

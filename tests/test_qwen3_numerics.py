@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from appliance.engine.config import Qwen3Config
+from appliance.engine.layer_runner import choose_runner
 from appliance.engine.load.hf import build_qwen3
 from appliance.engine.safetensors import SafeTensors
 
@@ -14,7 +15,9 @@ def load_ours(path):
     import json
     with open(f"{path}/config.json") as f:
         cfg_dict = json.load(f)
-    return build_qwen3(SafeTensors(path), cfg_dict)[1]
+    m = build_qwen3(SafeTensors(path), cfg_dict)[1]
+    choose_runner(m)  # as load_model does
+    return m
 
 
 def load_reference(path):

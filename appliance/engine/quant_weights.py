@@ -77,6 +77,14 @@ class QuantWeight:
             release_pages(self.raw)  # the products read the copy now; rows() and raw still page back in
         return self._x8
 
+    def native_spec(self) -> tuple[int, np.ndarray] | None:
+        """(qtype, data) for the native decoder: the file's (rows, row_bytes) blocks or (rows, n) floats, or the
+        x8 layout (qtype | kernels.X8, made here on first use); None without the library."""
+        if not self.native:
+            return None
+        x8 = self.x8()
+        return (int(self.qtype) | kernels.X8, x8) if x8 is not None else (self.qtype, self.raw)
+
     def rows(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= self.shape[0]):

@@ -67,6 +67,7 @@ class Qwen3Model:
     norm: np.ndarray
     lm_head: Callable  # (T, hidden) -> (T, vocab)
     layer_streaming: object = None  # low-memory mode (resident.LayerStreaming): layer_done(i) after layer i
+    runner: object = None  # chosen at load (layer_runner.choose_runner): NativeLayers, or None for the numpy layers
 
     def new_cache(self, max_len: int, dtype=np.float32) -> KVCache:
         c = self.config
@@ -102,18 +103,15 @@ def forward_hidden(model: Qwen3Model, h: np.ndarray, cache: KVCache, cos: np.nda
     """Run every decoder layer on hidden states h (T, hidden) at the rotary angles cos/sin (T, hd/2);
     commits the T tokens to the cache and returns the final-normed hidden states (T, hidden)."""
     done = model.layer_streaming.layer_done if model.layer_streaming is not None else None
-    # the same layers in C when the native library serves every weight (one call, or one per layer with hooks)
-    from appliance.native.decoder import native_decoder
-    dec = native_decoder(model)
-    if dec is not None and dec.serves(cache):
-        return dec.forward_hidden(h, cache, cos, sin, layer_done=done, after_layer=after_layer)
+    if model.runner is not None and model.runner.serves(cache):  # the same layers in C (chosen at load)
+        return model.runner.forward_hidden(h, cache, cos, sin, layer_done=done, after_layer=after_layer)
     return numpy_layers(model, h, cache, cos, sin, after_layer, done)
 
 
 def numpy_layers(model: Qwen3Model, h: np.ndarray, cache: KVCache, cos: np.ndarray, sin: np.ndarray,
                  after_layer: Callable[[int, np.ndarray], np.ndarray] | None = None,
                  done: Callable[[int], None] | None = None) -> np.ndarray:
-    """forward_hidden's numpy path (the native decoder's twin)."""
+    """forward_hidden's numpy path (the native layers' twin)."""
     cfg = model.config
     for i, layer in enumerate(model.layers):
         h = h + attention(cfg, layer.attn, rms_norm(h, layer.attn_norm, cfg.rms_norm_eps), cache, i, cos, sin)

@@ -84,12 +84,11 @@ class Experts:
         """The routed experts bound for one native call (kernels.MoEFFN), or None when the library is missing
         or a matrix is not one the C side reads in place (the numpy loop serves then)."""
         from appliance.native import kernels
-        from appliance.native.decoder import native_linear
         if not kernels.available():
             return None
         kinds = []
         for mats in (self.gates, self.ups, self.downs):
-            served = [native_linear(w) for w in mats]
+            served = [w.native_spec() for w in mats]
             if any(s is None or int(s[0]) & kernels.X8 for s in served) or len({int(s[0]) for s in served}) != 1:
                 return None
             kinds.append((int(served[0][0]), [s[1] for s in served]))
@@ -108,10 +107,6 @@ class SparseMoE:
         self.release_pages = release_pages  # madvise an expert's weight pages away after each use
         # chosen once at load: one native call per forward for all routed experts, or the numpy loop
         self.native = experts.native(router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-
-    def native_moe(self):
-        """The bound native experts (kernels.MoEFFN) the native decoder runs inside its layer call, or None."""
-        return self.native
 
     def record(self, counts: np.ndarray, tokens: int) -> None:
         """Account one call whose experts got `counts` (E,) tokens (the native path's counts)."""

@@ -177,8 +177,9 @@ class LayerStreaming:
             model.embed = StreamedHead(model.embed, self.plan.head_slab_rows)
         if head_mapped and not self.plan.head_pinned:
             model.lm_head = StreamedHead(head, self.plan.head_slab_rows)
-        from appliance.native.decoder import forget
-        forget(model)  # a native decoder built before would read the x8 copies
+        if model.runner is not None:  # a native runner chosen before would read the x8 copies: choose again
+            from .layer_runner import choose_runner
+            choose_runner(model)
         self.mappings = {id(b): b for b in (_mapping_base(a) for arrays in self.layer_arrays for a in arrays)
                          if b is not None}
         if head_mapped:

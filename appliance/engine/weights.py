@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from appliance.native.qtypes import QType
+
 
 class DenseWeight:
     """A float32 (out, in) matrix."""
@@ -22,6 +24,13 @@ class DenseWeight:
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         return np.asarray(self.w[ids], dtype=np.float32)  # (T, in)
+
+    def native_spec(self) -> tuple[int, np.ndarray] | None:
+        """(qtype, data) the C kernels read in place, or None (see QuantWeight.native_spec)."""
+        w = self.w
+        if isinstance(w, np.ndarray) and w.dtype == np.float32 and w.ndim == 2 and w.flags.c_contiguous:
+            return QType.F32, w
+        return None
 
 
 class HalfWeight:
@@ -39,3 +48,9 @@ class HalfWeight:
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         return x @ self.widen().T  # (T, in) -> (T, out)
+
+    def native_spec(self) -> tuple[int, np.ndarray] | None:
+        """(qtype, data) the C kernels read in place, or None (see QuantWeight.native_spec)."""
+        if self.raw.ndim == 2 and self.raw.flags.c_contiguous:
+            return (QType.BF16 if self.dtype == "BF16" else QType.F16), self.raw
+        return None

@@ -1,72 +1,51 @@
-"""NativeDecoder: the decoder layers of a Qwen3Model (qwen3/qwen2/llama) run by one C call per forward
-(src/ops.c kq_forward) instead of a few hundred numpy calls per token.
+"""NativeDecoder: the decoder layers of a Qwen3-family model run by one C call per forward (src/ops.c
+kq_forward), or one per layer when a hook runs between layers, instead of a few hundred numpy calls per token.
 
-Policy: built only when every piece is something the C side serves — linear weights that are native
-QuantWeights, float32 DenseWeights or HalfWeights; a SwiGLU MLP or mixture-of-experts routed experts bound for
-the C side (qwen3_moe.SparseMoE.native_moe: one kq_moe_ffn per layer inside the same call, its counts accounted
-after it); float32 or float16 KV caches — otherwise `build` returns None and the caller keeps the numpy forward (vision
-hooks, no library).
-Numerics: the same C matmuls as QuantWeight, float32 norms/RoPE/attention; equal to qwen3.forward_hidden
-within float rounding (tests/test_native_decoder.py).
+Policy: native is the floor: this module takes plain numbers, arrays and specs and knows nothing of the
+engine's classes. `NativeDecoder.from_specs(dims, layers)` binds the layers when every piece is something
+the C side serves — linear weights as (qtype, data) with their shape (the weights' own `native_spec()`), a
+SwiGLU MLP or the routed experts of a mixture-of-experts layer bound as kernels.MoEFFN (one kq_moe_ffn per
+layer inside the same call; its counts go to the layer's callback after each forward) — otherwise it returns
+None and the engine keeps its numpy layers. KV caches must be float32 or float16 and contiguous (`serves`).
+Numerics: the same C matmuls as QuantWeight, float32 norms/RoPE/attention; equal to the numpy layers within
+float rounding (tests/test_native_decoder.py).
 """
 from __future__ import annotations
 
 import ctypes
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 
 from . import kernels
-from .qtypes import QType
+from .abi import LINEARS as _LINEARS, VECTORS as _VECTORS, Layer as _Layer, Linear as _Linear, Model as _Model
 
-_P, _I64 = ctypes.c_void_p, ctypes.c_int64
-_LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
+_P = ctypes.c_void_p
 _KV_TYPES = (np.dtype(np.float32), np.dtype(np.float16))
-_VECTORS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "q_bias", "k_bias", "v_bias")
 
 
-class _Linear(ctypes.Structure):
-    _fields_ = [("qtype", ctypes.c_int32), ("pad", ctypes.c_int32), ("w", _P), ("rows", _I64), ("n", _I64)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [(n, _Linear) for n in _LINEARS] + [(n, _P) for n in _VECTORS] + [("moe", _P)]
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [("n_layers", _I64), ("hidden", _I64), ("n_heads", _I64), ("n_kv", _I64), ("head_dim", _I64),
-                ("inter", _I64), ("eps", ctypes.c_float), ("pad", ctypes.c_int32), ("layers", _P)]
-
-
-def native_linear(w) -> tuple[int, np.ndarray] | None:
-    """(qtype, data) for a weight the C kernels read: (rows, row_bytes) blocks, (rows, n) floats, or the x8
-    layout (qtype | kernels.X8); None if the C side cannot serve it."""
-    from appliance.engine.quant_weights import QuantWeight
-    if isinstance(w, QuantWeight):
-        if not w.native:
-            return None
-        x8 = w.x8()
-        return (int(w.qtype) | kernels.X8, x8) if x8 is not None else (w.qtype, w.raw)
-    arr = getattr(w, "w", None)  # weights.DenseWeight
-    if isinstance(arr, np.ndarray) and arr.dtype == np.float32 and arr.ndim == 2 and arr.flags.c_contiguous:
-        return QType.F32, arr
-    raw, dtype = getattr(w, "raw", None), getattr(w, "dtype", None)  # weights.HalfWeight
-    if isinstance(raw, np.ndarray) and dtype in ("BF16", "F16") and raw.ndim == 2 and raw.flags.c_contiguous:
-        return (QType.BF16 if dtype == "BF16" else QType.F16), raw
-    return None
+@dataclass(frozen=True)
+class DecoderDims:
+    n_layers: int
+    hidden: int
+    n_heads: int
+    n_kv: int
+    head_dim: int
+    inter: int
+    eps: float
 
 
 class NativeDecoder:
-    def __init__(self, model, layers: list[dict]):
-        c = model.config
-        self.norm, self.eps = model.norm, c.rms_norm_eps  # no reference to the model itself: see native_decoder
+    def __init__(self, dims: DecoderDims, layers: list[dict]):
+        c = dims
         self._keep: list[np.ndarray] = []
         arr = (_Layer * len(layers))()
-        self._moe = []  # (sparse block, its bound experts): counts are accounted after each forward
+        self._moe = []  # (bound experts, on_counts(counts, tokens)): called after each forward
         for i, spec in enumerate(layers):
             moe = spec.get("moe")
             if moe is not None:
-                block, ffn = moe
+                ffn, _on_counts = moe
                 self._moe.append(moe)
                 arr[i].moe = ffn.address
             for name in _LINEARS:
@@ -83,50 +62,34 @@ class NativeDecoder:
                     self._keep.append(v)
                     setattr(arr[i], name, v.ctypes.data)
         self._layers = arr
-        self._model = _Model(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
-                             c.head_dim, c.intermediate_size, c.rms_norm_eps, 0, ctypes.addressof(arr))
-        self._one = [_Model(1, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                            c.intermediate_size, c.rms_norm_eps, 0, ctypes.addressof(arr) + i * ctypes.sizeof(_Layer))
+        self._model = _Model(c.n_layers, c.hidden, c.n_heads, c.n_kv, c.head_dim, c.inter, c.eps, 0,
+                             ctypes.addressof(arr))
+        self._one = [_Model(1, c.hidden, c.n_heads, c.n_kv, c.head_dim, c.inter, c.eps, 0,
+                            ctypes.addressof(arr) + i * ctypes.sizeof(_Layer))
                      for i in range(len(layers))]  # layer i alone (low-memory mode runs one layer per call)
         self._caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @classmethod
-    def build(cls, model) -> "NativeDecoder | None":
-        """A NativeDecoder for `model` (a qwen3.Qwen3Model), or None if any part is not served natively."""
-        if not kernels.available():
+    def from_specs(cls, dims: DecoderDims, layers: list[dict]) -> "NativeDecoder | None":
+        """A NativeDecoder over `layers` (one dict per layer: the vectors by name (None when absent); q, k, v, o
+        and either gate, up, down as (qtype, data) with `name_shape` (out, in), or `moe` = (kernels.MoEFFN,
+        on_counts)), or None if the library is missing or any piece is not one the C side serves."""
+        if not kernels.available() or len(layers) != dims.n_layers:
             return None
-        c = model.config
-        specs = []
-        for layer in model.layers:
-            a, mlp = layer.attn, layer.mlp
-            spec: dict = {"attn_norm": layer.attn_norm, "mlp_norm": layer.mlp_norm, "q_norm": a.q_norm,
-                          "k_norm": a.k_norm, "q_bias": a.q_bias, "k_bias": a.k_bias, "v_bias": a.v_bias}
-            linears = [("q", a.q), ("k", a.k), ("v", a.v), ("o", a.o)]
-            native_moe = getattr(mlp, "native_moe", None)  # qwen3_moe.SparseMoE
-            if native_moe is not None:
-                ffn = native_moe()
-                if ffn is None or ffn.shape[1] != c.hidden_size:
-                    return None
-                spec["moe"] = (mlp, ffn)
-            elif all(hasattr(mlp, n) for n in ("gate", "up", "down")) and type(mlp).__name__ == "SwiGLU":
-                linears += [("gate", mlp.gate), ("up", mlp.up), ("down", mlp.down)]
-            else:
+        hd, H, KV, D, I = dims.head_dim, dims.n_heads, dims.n_kv, dims.hidden, dims.inter
+        want = {"q": (H * hd, D), "k": (KV * hd, D), "v": (KV * hd, D), "o": (D, H * hd),
+                "gate": (I, D), "up": (I, D), "down": (D, I)}
+        for spec in layers:
+            moe = spec.get("moe")
+            needed = _LINEARS[:4] if moe is not None else _LINEARS
+            if moe is not None and moe[0].shape[1] != D:
                 return None
-            for name, w in linears:
-                nl = native_linear(w)
-                if nl is None:
-                    return None
-                spec[name], spec[name + "_shape"] = nl, tuple(w.shape)
-            if (a.q_norm is None) != (a.k_norm is None) or (a.q_bias is None) != (a.k_bias is None):
+            if any(spec.get(n) is None for n in needed) or any(spec[n + "_shape"] != want[n] for n in needed):
                 return None
-            hd, H, KV, D, I = c.head_dim, c.num_attention_heads, c.num_key_value_heads, c.hidden_size, \
-                c.intermediate_size
-            want = {"q": (H * hd, D), "k": (KV * hd, D), "v": (KV * hd, D), "o": (D, H * hd),
-                    "gate": (I, D), "up": (I, D), "down": (D, I)}
-            if any(spec[n + "_shape"] != want[n] for n in want if n in spec):
+            if (spec.get("q_norm") is None) != (spec.get("k_norm") is None) \
+                    or (spec.get("q_bias") is None) != (spec.get("k_bias") is None):
                 return None
-            specs.append(spec)
-        return cls(model, specs)
+        return cls(dims, layers)
 
     def serves(self, cache) -> bool:
         """Whether this cache is one the C side writes: float32 or float16, contiguous (n_kv, max_len, head_dim)."""
@@ -156,9 +119,8 @@ class NativeDecoder:
         h = np.array(h, dtype=np.float32, order="C")  # updated in place by C
         cos, sin = (np.ascontiguousarray(a, dtype=np.float32) for a in (cos, sin))
         T = h.shape[0]
-        if cache.length + T > cache.max_len:
-            from appliance.engine.kv_cache import ContextLengthError
-            raise ContextLengthError(f"context length {cache.max_len} exceeded")
+        if cache.length + T > cache.max_len:  # the engine checks first; this guards the C writes
+            raise ValueError(f"context length {cache.max_len} exceeded")
         kp, vp = self._cache_ptrs(cache)
         f16 = int(cache.k[0].dtype == np.float16)
         if layer_done is None and after_layer is None:
@@ -180,40 +142,6 @@ class NativeDecoder:
                     layer_done(i)
         if rc != 0:
             raise RuntimeError(f"native forward failed ({rc})")
-        for block, ffn in self._moe:  # each MoE layer ran once over the T tokens
-            block.record(ffn.counts, T)
+        for ffn, on_counts in self._moe:  # each MoE layer ran once over the T tokens
+            on_counts(ffn.counts, T)
         return h
-
-    def forward_hidden(self, h: np.ndarray, cache, cos: np.ndarray, sin: np.ndarray,
-                       layer_done=None, after_layer=None) -> np.ndarray:
-        """Drop-in for qwen3.forward_hidden(model, h, cache, cos, sin, after_layer): commits the T tokens and
-        returns the final-normed hidden states (T, hidden)."""
-        from appliance.engine.qwen3 import rms_norm
-        h = self.forward_layers(h, cache, cos, sin, layer_done, after_layer)
-        cache.commit(h.shape[0])
-        return rms_norm(h, self.norm, self.eps)
-
-
-_BUILT: dict[int, tuple[weakref.ref, "NativeDecoder | None"]] = {}
-
-
-def native_decoder(model) -> "NativeDecoder | None":
-    """The NativeDecoder of `model`, built on first use and remembered for the model's lifetime (None when
-    the model is not served natively). For qwen3.forward_hidden:
-
-        dec = native_decoder(model) if after_layer is None else None
-        if dec is not None:
-            return dec.forward_hidden(h, cache, cos, sin)
-    """
-    entry = _BUILT.get(id(model))
-    if entry is not None and entry[0]() is model:
-        return entry[1]
-    dec = NativeDecoder.build(model)
-    key = id(model)
-    _BUILT[key] = (weakref.ref(model, lambda _r, k=key: _BUILT.pop(k, None)), dec)
-    return dec
-
-
-def forget(model) -> None:
-    """Drop the NativeDecoder built for `model` (its weights changed form, e.g. low-memory mode)."""
-    _BUILT.pop(id(model), None)

@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-from . import cpu_topology
+from . import abi, cpu_topology
 from .qtypes import BLOCK, QType, row_bytes
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -24,6 +24,7 @@ _I = ctypes.c_int
 
 _SIGNATURES = {
     "kq_abi_version": (_I, []),
+    "kq_struct_size": (_I64, [_I]),
     "kq_simd_level": (_I, []),
     "kq_simd_max": (_I, []),
     "kq_set_simd_level": (_I, [_I]),
@@ -46,7 +47,6 @@ _SIGNATURES = {
     "kq_moe_ffn": (_I, [_P, _P, _I64, _P]),
     "kq_forward": (_I, [_P, _P, _P, _I64, _I, _P, _I64, _I64, _P, _P]),
 }
-ABI_VERSION = 3
 
 _lib = None
 load_error: str | None = None
@@ -75,8 +75,7 @@ def load(path: str | None = None):
         for name, (res, args) in _SIGNATURES.items():
             f = getattr(lib, name)
             f.restype, f.argtypes = res, args
-        if lib.kq_abi_version() != ABI_VERSION:
-            raise OSError(f"ABI version {lib.kq_abi_version()} != {ABI_VERSION}")
+        abi.check(lib)
     except (OSError, AttributeError) as e:
         load_error = f"{paths[0]}: {e}"
         return None
@@ -323,13 +322,6 @@ def bound_matmul(qtype, w: np.ndarray, x8: np.ndarray | None = None):
 load()
 
 
-class _MoE(ctypes.Structure):  # src/kq.h kq_moe
-    _fields_ = [("n_experts", _I64), ("top_k", _I64), ("hidden", _I64), ("inter", _I64),
-                ("norm_topk", ctypes.c_int32), ("gate_qtype", ctypes.c_int32), ("up_qtype", ctypes.c_int32),
-                ("down_qtype", ctypes.c_int32), ("router", _P), ("gate", _P), ("up", _P), ("down", _P),
-                ("counts", _P)]
-
-
 class MoEFFN:
     """The routed experts of one MoE layer bound once (kq_moe): `__call__(x (T, hidden)) -> (T, hidden)`.
     gate, up, down: (qtype, per-expert arrays) with each expert's rows (out, row_bytes) or (out, in) in place
@@ -360,7 +352,7 @@ class MoEFFN:
         self.counts = np.zeros(E, np.int32)
         self.shape = (E, D, I)
         self._ptrs = ptrs
-        self._c = _MoE(E, int(top_k), D, I, int(bool(norm_topk)), int(gate[0]), int(up[0]), int(down[0]),
+        self._c = abi.MoE(E, int(top_k), D, I, int(bool(norm_topk)), int(gate[0]), int(up[0]), int(down[0]),
                        self.router.ctypes.data, ctypes.addressof(ptrs[0]), ctypes.addressof(ptrs[1]),
                        ctypes.addressof(ptrs[2]), self.counts.ctypes.data)
 

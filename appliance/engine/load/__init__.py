@@ -120,9 +120,16 @@ def set_native_threads(n: int) -> int | None:
     return kernels.configure_threads(n)
 
 
+def decoder_of(model):
+    """The Qwen3Model that runs the text layers (the model itself, or a Qwen3-VL model's text decoder)."""
+    from ..qwen3_vl import Qwen3VLModel
+    return model.text if isinstance(model, Qwen3VLModel) else model
+
+
 def finish(path: str, ckpt: Checkpoint, options: LoadOptions) -> LoadedModel:
-    """The shared tail: page-release policies, context length, the Engine."""
+    """The shared tail: page-release policies, the layer runner, context length, the Engine."""
     from ..generate import Engine
+    from ..layer_runner import choose_runner
     from ..qwen3_moe import set_release_pages
 
     if options.moe_release_pages:
@@ -134,6 +141,7 @@ def finish(path: str, ckpt: Checkpoint, options: LoadOptions) -> LoadedModel:
         except ResidentBudgetError as e:
             raise ModelLoadError(f"--max-resident {options.max_resident_mib}: {e}") from None
         log.info("low-memory mode: %s", plan.describe(len(ckpt.model.layers)))
+    choose_runner(decoder_of(ckpt.model))  # native or numpy layers: once, after the weights took their form
     import numpy as np
     from ..kv_cache import KV_TYPES as KV_DTYPES
 
