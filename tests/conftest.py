@@ -22,7 +22,7 @@ TIERS = {
     # a reverse proxy, another architecture under qemu, sanitizer builds
     "system": ("test_frozen_smoke", "test_image_install", "test_image_systemd_notify", "test_deb_package",
                "test_native_qemu_aarch64", "test_native_sanitizers", "test_gguf_llama_cpp", "test_peer_isa",
-               "test_web_chat", "test_server_proxy"),
+               "test_web_chat", "test_server_proxy", "test_system_"),
 }
 
 
