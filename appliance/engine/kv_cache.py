@@ -31,11 +31,16 @@ class KVCache:
         n_kv, _, hd = self.k[0].shape
         return 2 * len(self.k) * n_kv * hd * self.dtype.itemsize
 
+    def check_room(self, T: int) -> None:
+        """Raise ContextLengthError unless T more tokens fit after the committed ones (the one check every layer
+        runner makes before writing keys and values)."""
+        if self.length + T > self.max_len:
+            raise ContextLengthError(f"context length {self.max_len} exceeded")
+
     def update(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Store k, v (n_kv, T, hd) after the committed tokens; return all keys and values so far."""
+        self.check_room(k.shape[1])
         start, end = self.length, self.length + k.shape[1]
-        if end > self.max_len:
-            raise ContextLengthError(f"context length {self.max_len} exceeded")
         self.k[layer][:, start:end] = k
         self.v[layer][:, start:end] = v
         return self.k[layer][:, :end], self.v[layer][:, :end]  # (n_kv, S, hd)

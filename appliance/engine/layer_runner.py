@@ -14,7 +14,6 @@ import numpy as np
 
 from appliance.native.decoder import DecoderDims, NativeDecoder
 
-from .kv_cache import ContextLengthError
 from .qwen3 import Qwen3Model, SwiGLU, rms_norm
 from .qwen3_moe import SparseMoE
 
@@ -32,8 +31,7 @@ class NativeLayers:
                        after_layer=None) -> np.ndarray:
         """qwen3.forward_hidden's layers in C (one call per layer when a hook runs between them): commits the T
         tokens, returns the final-normed hidden states (T, hidden)."""
-        if cache.length + h.shape[0] > cache.max_len:
-            raise ContextLengthError(f"context length {cache.max_len} exceeded")
+        cache.check_room(h.shape[0])
         h = self.decoder.forward_layers(h, cache, cos, sin, layer_done, after_layer)
         cache.commit(h.shape[0])
         return rms_norm(h, self.norm, self.eps)
