@@ -101,11 +101,11 @@ def loop_now(server) -> float:
 
 def assert_loop_responsive(server, quiet: tuple[float, float], attack: tuple[float, float]) -> None:
     """The server's own lag probe: no wake-up during the attack came later than 100 ms, or (on a loaded,
-    shared machine, where the OS alone delays threads) later than half as much again as the worst of a quiet
+    shared machine, where the OS alone delays threads) later than three times the worst of a quiet
     window of the same server just before. A blocked loop shows as seconds."""
     lag = server.api.loop_lag
     worst_quiet, worst_attack = lag.worst_between(*quiet), lag.worst_between(*attack)
-    assert worst_attack < max(LAG_BOUND_S, 1.5 * worst_quiet), (worst_attack, worst_quiet)
+    assert worst_attack < max(LAG_BOUND_S, 3 * worst_quiet), (worst_attack, worst_quiet)
     m = metrics(server)
     assert m[("kestrel_event_loop_lag_max_seconds", ())] >= worst_attack - 1e-6
 
@@ -196,7 +196,7 @@ def test_huge_prompt_does_not_stall_the_loop_or_other_streams(server):
         assert json.loads(payload)["error"]["code"] == "context_length_exceeded"
     assert len(results) == 3
     assert_gaps_normal(quiet, attack_gaps)
-    assert max(health) < 1.0, health
+    assert max(health) < 2.0, health  # a blocked loop held /health for 3.7-4.6 s
     assert_loop_responsive(server, (q0, q1), (a0, a1))
     assert mem.growth < 150 * 2**20, f"RSS grew {mem.growth / 2**20:.0f} MB for three 3.9 MB prompts"
 
