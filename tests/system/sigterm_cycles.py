@@ -63,7 +63,9 @@ def start(model: str, grace: float, log) -> tuple[subprocess.Popen, int]:
         except OSError:
             pass
         time.sleep(0.1)
-    raise RuntimeError("server never became ready")
+    rc = proc.poll()
+    proc.kill()
+    raise RuntimeError(f"server never became ready (exit {rc})")
 
 
 def allow_core_dumps() -> None:

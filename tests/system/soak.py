@@ -149,8 +149,8 @@ def http_request(draw) -> bytes:
         body = draw(st.binary(max_size=200))
         return request_bytes(method, path, body if method in ("POST", "PUT", "PATCH") else None, headers)
     fields = draw(chat_fields if kind == "chat" else completion_fields)
-    if fields.get("stream") and not isinstance(fields.get("max_tokens"), int):
-        fields["max_tokens"] = 4  # a valid stream runs to the context otherwise: slow, not more telling
+    if not isinstance(fields.get("max_tokens"), int) or isinstance(fields["max_tokens"], bool):
+        fields["max_tokens"] = 4  # a valid request runs to the context otherwise: slow (a 'hang'), not more telling
     if draw(st.booleans()):
         body = json.dumps(fields).encode()
     else:  # the same, damaged
