@@ -219,8 +219,12 @@ def test_stop_ends_the_generation_on_the_server_within_one_step(browser, server,
     p.close()
 
 
-def test_busy_429_and_waiting_in_line_are_shown(browser, tiny_qwen3_tied):
+def test_busy_429_and_waiting_in_line_are_shown(browser, tiny_qwen3_tied, monkeypatch):
     with LiveServer(tiny_qwen3_tied, queue=1, queue_keepalive_s=0.05) as server:
+        # At a board's pace, so A still holds the engine when the page retries (on an idle machine the tiny model
+        # finished A's 3,500 tokens before the page's Retry-After countdown ended, and the page never waited).
+        engine = server.worker.loaded.engine
+        monkeypatch.setattr(engine, "generate", paced(engine.generate, 0.02))
         p = Page(browser, server.url + "/", amend={"max_tokens": 6, "ignore_eos": True})
         p.wait_ready()
         a = RawClient(server.port)   # A holds the engine, B holds the one place in line
