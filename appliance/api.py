@@ -261,7 +261,12 @@ class Api:
                 raise
         else:
             images = ()
-        await Generation(self, loaded, ids, req, out, images, constraint=constraint).run(ex, ticket, t_arrival)
+        await self._generation(loaded, ids, req, out, images, constraint).run(ex, ticket, t_arrival)
+
+    def _generation(self, loaded: Any, ids: list[int], req: Any, out: Any, images: tuple = (),
+                    constraint: Any = None) -> Generation:
+        return Generation(ids, req, out, token_bytes=loaded.tokenizer.token_bytes, headers=self.cors_headers(),
+                          keepalive_s=self.cfg.queue_keepalive_s, images=images, constraint=constraint)
 
     def _prepare_chat(self, loaded: Any, body: bytes):
         """Worker thread: body -> (request, prompt text, prompt ids, constraint); ApiError for anything wrong."""
@@ -306,7 +311,7 @@ class Api:
         out = CompletionAssembler.for_request(req, model=self.cfg.model_name, created=int(time.time()),
                                               echo_text=prompt_text)
         t_arrival = time.perf_counter()
-        await Generation(self, loaded, ids, req, out).run(ex, self.admit(), t_arrival)
+        await self._generation(loaded, ids, req, out).run(ex, self.admit(), t_arrival)
 
     def _prepare_completion(self, loaded: Any, body: bytes):
         """Worker thread: body -> (request, prompt ids, prompt text to echo)."""

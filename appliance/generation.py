@@ -20,34 +20,35 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import trio
 
 from .engine.generate import FinishEvent, GenerationRequest, TokenEvent
 from .engine.kv_cache import ContextLengthError
-from .protocol.errors import ApiError, internal_error
+from .protocol.errors import ApiError, internal_error, server_shutdown
 from .protocol.logprobs import entry_from_engine
+from .protocol.sse import JSON_CONTENT_TYPE, json_bytes
 from .protocol.stats import GenerationStats
-from .protocol.errors import server_shutdown
 from .worker import EngineFailure, ShuttingDown, Ticket
 
 log = logging.getLogger("appliance.generation")
 
 
-def split_events(blob: bytes) -> list[bytes]:
-    """Consecutive `data: ...\\n\\n` events -> one bytes per event (compact JSON never holds a raw newline)."""
-    return [part + b"\n\n" for part in blob.split(b"\n\n")[:-1]]
-
-
 class Generation:
-    def __init__(self, api: Any, loaded: Any, prompt_ids: list[int], req: Any,
-                 assembler: Any, images: tuple = (), constraint: Any = None):
-        self.api = api
+    """`assembler`: the API's protocol assembler (start/token/keepalive/finish/response/error_event);
+    `token_bytes`: the tokenizer's id -> bytes (logprobs); `headers`: added to the response (CORS);
+    `keepalive_s`: the interval of the assembler's keep-alive while queued or in prefill."""
+
+    def __init__(self, prompt_ids: list[int], req: Any, assembler: Any, *, token_bytes: Callable[[int], bytes],
+                 headers: list[tuple[bytes, bytes]], keepalive_s: float, images: tuple = (),
+                 constraint: Any = None):
         self.req = req
         self.prompt_ids = prompt_ids
         self.out = assembler
-        self._token_bytes = loaded.tokenizer.token_bytes
+        self._token_bytes = token_bytes
+        self._headers = list(headers)
+        self._keepalive_s = keepalive_s
         self._phase = "queued"
         self._send_lock = trio.Lock()
         self._keepalive_scope = trio.CancelScope()
@@ -64,12 +65,10 @@ class Generation:
         async with ticket:
             async with trio.open_nursery() as nursery:
                 if stream:
-                    await ex.start_stream(200, list(self.out.stream_headers) + self.api.cors_headers())
+                    await ex.start_stream(200, list(self.out.stream_headers) + self._headers)
                     ex.stream_error = self.out.error_event
-                    first = self.out.start()
-                    for event in first if isinstance(first, list) else [first]:
-                        if event:
-                            await self._send(ex, event)
+                    for event in self.out.start():
+                        await self._send(ex, event)
                     nursery.start_soon(self._keepalive, ex)
                 finish, failure = None, None
                 try:
@@ -90,9 +89,8 @@ class Generation:
                  stats.completion_tokens, stats.queue_ms, stats.ttft_ms, stats.tok_s)
         if not stream:
             body = self.out.response(finish.reason, finish.text, stats, completion_ids=finish.token_ids)
-            return await self.api.send_json(ex, body)
-        tail = self.out.finish(finish.reason, finish.text, stats, self.prompt_ids, finish.token_ids)
-        for event in tail if isinstance(tail, list) else split_events(tail):
+            return await ex.respond(200, [(b"Content-Type", JSON_CONTENT_TYPE)] + self._headers, json_bytes(body))
+        for event in self.out.finish(finish.reason, finish.text, stats, self.prompt_ids, finish.token_ids):
             await ex.send(event)
         await ex.end_stream()
 
@@ -120,7 +118,7 @@ class Generation:
         read timeouts stay."""
         with self._keepalive_scope:
             while True:
-                await trio.sleep(self.api.cfg.queue_keepalive_s)
+                await trio.sleep(self._keepalive_s)
                 with trio.CancelScope(shield=True):  # never half a comment on the wire
                     await self._send(ex, self.out.keepalive(self._phase))
 

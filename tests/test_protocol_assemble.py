@@ -17,7 +17,12 @@ from appliance.protocol.stats import GenerationStats
 STATS = GenerationStats(4, 3, 5.0, 6.0, 4.0, 12.0, 2.0, 500.0)
 
 
-def events(raw: bytes) -> list:
+def events(raw: bytes | list[bytes]) -> list:
+    """The JSON of SSE events: of one bytes (a token's event), or of a list from start() / finish(), whose every
+    item must be exactly one event (Generation writes each on its own)."""
+    if isinstance(raw, list):
+        assert all(x.count(b"\n\n") == 1 and x.endswith(b"\n\n") for x in raw), raw
+        raw = b"".join(raw)
     if not raw:
         return []
     assert raw.endswith(b"\n\n")
@@ -37,7 +42,7 @@ def ids():
 def test_chat_stream_bytes_one_event_per_token():
     a = ChatAssembler(ChatChunks("c", "m", 1, include_usage=True), include_metrics=True, include_tokens=True)
     head = b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
-    assert a.start() == head + b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],"usage":null}\n\n'
+    assert a.start() == [head + b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],"usage":null}\n\n']
     assert a.token("<think>") == b""
     assert a.token("\nhm") == head + b'"delta":{"reasoning_content":"hm"},"logprobs":null,"finish_reason":null}],"usage":null}\n\n'
     assert a.token("</think>\n\nHi") == head + b'"delta":{"content":"Hi"},"logprobs":null,"finish_reason":null}],"usage":null}\n\n'
@@ -58,7 +63,9 @@ def test_chat_stream_bytes_one_event_per_token():
 def test_minimal_stream_tail_is_finish_then_done():
     a = ChatAssembler(ChatChunks("c", "m", 1), reasoning=False)
     assert a.token("<think>") != b""        # no splitting: the tag is content
-    raw = a.finish("stop", "", STATS)
+    tail = a.finish("stop", "", STATS)
+    assert len(events(tail)) == len(tail)      # one event per item
+    raw = b"".join(tail)
     assert raw.endswith(b'"finish_reason":"stop"}],"timings":' + json.dumps(
         STATS.timings(), separators=(",", ":")).encode() + b'}\n\ndata: [DONE]\n\n')
     assert raw.count(b"data: ") == 2
@@ -137,7 +144,7 @@ def test_completion_stream_with_echo_and_logprobs():
 
 def test_completion_non_stream():
     a = CompletionAssembler(CompletionChunks("x", "m", 1))
-    assert a.start() == b""
+    assert a.start() == []
     a.token("a")
     a.token("b")
     body = a.response("length", "c", STATS)
@@ -179,9 +186,9 @@ def test_round_trip_through_the_real_template_and_tokenizer(hf_tokenizer):
     assert "".join(texts) == generated
     for stream in (True, False):
         a = ChatAssembler(ChatChunks("c", "m", 1), tools=True, new_id=ids_factory())
-        raw = a.start() + b"".join(a.token(t) for t in texts)
+        raw = b"".join(a.start() + [a.token(t) for t in texts])
         if stream:
-            evs = events(raw + a.finish("stop", "", STATS))
+            evs = events(raw + b"".join(a.finish("stop", "", STATS)))
             chunks = [ChatCompletionChunk.model_validate(e) for e in evs[:-1]]
             reasoning = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks)
             content = "".join(c.choices[0].delta.content or "" for c in chunks)

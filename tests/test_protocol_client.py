@@ -109,7 +109,7 @@ def test_client_stream_helper_accumulates_our_tool_call_and_reasoning_deltas():
                       new_id=lambda: f"call_{next(n)}")
     toks = ["<think>", "\nweather?", "\n</think>\n\n", "Checking.", "\n<tool_call>",
             "\n{\"name\": \"w\", \"arguments\": {\"c\": \"巴黎\"}}\n</tool_call>"]
-    body = a.start() + b"".join(a.token(t) for t in toks) + a.finish("stop", "", STATS)
+    body = b"".join(a.start() + [a.token(t) for t in toks] + a.finish("stop", "", STATS))
     client = client_for(200, body, SSE_HEADERS)
     tools = [{"type": "function", "function": {"name": "w", "parameters": {"type": "object"}}}]
     with client.chat.completions.stream(model="m", messages=[{"role": "user", "content": "x"}],

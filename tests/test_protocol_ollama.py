@@ -108,7 +108,7 @@ def test_generate_request():
 
 def test_chat_stream_bytes():
     a = OllamaChatAssembler("m", tools=True, clock=lambda: T, new_id=lambda: "call_1")
-    out = [a.start()]
+    out = a.start()
     for piece in ["<think>", "why", "</think>", "Hi", "<tool_call>", '{"name": "f", "arguments": {"x": 1}}',
                   "</tool_call>"]:
         out.append(a.token(piece))
@@ -139,7 +139,7 @@ def test_chat_and_generate_non_stream_objects():
     assert r.eval_count == 3 and r.prompt_eval_duration == 5_000_000 and r.total_duration == 13_500_000
 
     g = OllamaGenerateAssembler("m", [7, 8], clock=lambda: T)
-    lines = [g.start(), g.token("A"), *g.finish("stop", "B", STATS, [7, 8], [1, 2])]
+    lines = [*g.start(), g.token("A"), *g.finish("stop", "B", STATS, [7, 8], [1, 2])]
     assert lines[-2] == f'{{"model":"m","created_at":"{T}","response":"B","done":false}}\n'.encode()
     last = json.loads(lines[-1])
     assert last["context"] == [7, 8, 1, 2] and last["response"] == "" and last["done"] is True

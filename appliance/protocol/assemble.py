@@ -6,7 +6,8 @@ Policies:
 - One event per decoded token: a token whose text is all held back (part of a character, a possible stop string,
   a partial tag, a tool-call block) sends nothing, and its logprob rides on the next event that does.
 - After the last token: any released tail, the finish chunk (with timings), then usage / metrics / tokens when
-  asked, then [DONE]. finish_reason becomes "tool_calls" when the model stopped after calling tools.
+  asked, then [DONE]; start() and finish() return their events as a list, one bytes per event (each is written
+  on its own). finish_reason becomes "tool_calls" when the model stopped after calling tools.
 - Tool calls stream as OpenAI's do (OutputRouter.deltas): the first delta of a call has index, id, type and
   function.name, later ones index and function.arguments fragments.
 """
@@ -39,9 +40,12 @@ class _Tail:
         self.include_metrics = include_metrics
         self.include_tokens = include_tokens
 
-    def tail(self, chunks: Any, finish: dict, stats: GenerationStats, prompt_ids: Sequence[int],
-             completion_ids: Sequence[int], reasoning_tokens: int | None = None) -> bytes:
-        out = [sse_event(finish)]
+    def tail(self, head: bytes, chunks: Any, finish: dict, stats: GenerationStats, prompt_ids: Sequence[int],
+             completion_ids: Sequence[int], reasoning_tokens: int | None = None) -> list[bytes]:
+        """The closing events: `head` (the released tail's event, b"" if none), the finish chunk, the extras,
+        [DONE]."""
+        out = [head] if head else []
+        out.append(sse_event(finish))
         if chunks.include_usage:
             out.append(sse_event(chunks.usage(stats.prompt_tokens, stats.completion_tokens, reasoning_tokens,
                                               stats.prompt_tokens_details())))
@@ -50,7 +54,7 @@ class _Tail:
         if self.include_tokens:
             out.append(sse_event(chunks.tokens([*prompt_ids, *completion_ids])))
         out.append(SSE_DONE)
-        return b"".join(out)
+        return out
 
 
 class ChatAssembler(_Tail):
@@ -103,20 +107,20 @@ class ChatAssembler(_Tail):
         return "tool_calls" if reason == "stop" and self.calls else reason
 
     # -- stream ------------------------------------------------------------------------------------------
-    def start(self) -> bytes:
+    def start(self) -> list[bytes]:
         """The role frame, sent before prefill."""
-        return sse_event(self.chunks.role())
+        return [sse_event(self.chunks.role())]
 
     def token(self, text: str, logprob: LogprobEntry | None = None) -> bytes:
         """The event of one decoded token (b"" when its text is held back)."""
         return self._delta(self.router.token(text), logprob, final=False)
 
     def finish(self, reason: str, text: str, stats: GenerationStats, prompt_ids: Sequence[int] = (),
-               completion_ids: Sequence[int] = ()) -> bytes:
+               completion_ids: Sequence[int] = ()) -> list[bytes]:
         """Everything after the last token, through [DONE]."""
         head = self._delta(self.router.push(text, final=True), None, final=True)
-        return head + self.tail(self.chunks, self.chunks.finish(self.finish_reason(reason), stats), stats,
-                                prompt_ids, completion_ids, self.reasoning_tokens)
+        return self.tail(head, self.chunks, self.chunks.finish(self.finish_reason(reason), stats), stats,
+                         prompt_ids, completion_ids, self.reasoning_tokens)
 
     # -- non-stream ----------------------------------------------------------------------------------------
     def response(self, reason: str, text: str, stats: GenerationStats,
@@ -156,9 +160,9 @@ class CompletionAssembler(_Tail):
         return cls(chunks, echo=echo_text if req.echo else "", logprobs=req.sampling.logprobs,
                    include_metrics=req.include_metrics, include_tokens=req.include_tokens)
 
-    def start(self) -> bytes:
+    def start(self) -> list[bytes]:
         """The echoed prompt, if asked (otherwise nothing: completions have no role frame)."""
-        return sse_event(self.chunks.text(self.echo)) if self.echo else b""
+        return [sse_event(self.chunks.text(self.echo))] if self.echo else []
 
     def _piece(self, text: str, logprob: LogprobEntry | None, final: bool) -> bytes:
         if logprob is not None and self._logprobs:
@@ -178,9 +182,9 @@ class CompletionAssembler(_Tail):
         return self._piece(text, logprob, final=False)
 
     def finish(self, reason: str, text: str, stats: GenerationStats, prompt_ids: Sequence[int] = (),
-               completion_ids: Sequence[int] = ()) -> bytes:
+               completion_ids: Sequence[int] = ()) -> list[bytes]:
         head = self._piece(text, None, final=True)
-        return head + self.tail(self.chunks, self.chunks.finish(reason, stats), stats, prompt_ids, completion_ids)
+        return self.tail(head, self.chunks, self.chunks.finish(reason, stats), stats, prompt_ids, completion_ids)
 
     def response(self, reason: str, text: str, stats: GenerationStats,
                  completion_ids: Sequence[int] = ()) -> dict[str, Any]:

@@ -98,12 +98,12 @@ class _OllamaAssembler:
             return b""
         return ndjson_line({**self._head(), **self._part(r, c, calls), "done": False})
 
-    def start(self) -> bytes:
-        """The line sent before prefill (and as keep-alive): nothing generated yet."""
+    def keepalive(self, phase: str) -> bytes:
+        """The line sent before prefill and as keep-alive: nothing generated yet."""
         return ndjson_line({**self._head(), **self._part("", "", []), "done": False})
 
-    def keepalive(self, phase: str) -> bytes:
-        return self.start()
+    def start(self) -> list[bytes]:
+        return [self.keepalive("start")]
 
     def error_event(self, err: ApiError) -> bytes:
         return error_line(err.message)
