@@ -28,7 +28,6 @@ from appliance.protocol.reasoning import _partial_tag_len
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\{)')
-_CLOSING = re.compile(r"\s*(?:\}\s*)?$")
 
 Piece = tuple[str, Any]    # ("content", str) | ("call", dict) | ("args", str) | ("done", dict: the whole call)
 
@@ -83,13 +82,14 @@ class ToolCallParser:
             out.append(("args", text))
 
     def _stream_args(self, out: list[Piece], region: str, closed: bool) -> None:
-        """Release the part of a streaming call's argument text that can no longer be its closing."""
-        if closed:
-            final = region.rstrip()
-            final = final[:-1].rstrip() if final.endswith("}") else final
-        else:
+        """Release the part of a streaming call's argument text that can no longer be its closing (trailing
+        whitespace, the block's `}` and the whitespace before it; a partial close tag while open). Per token:
+        looks at the region's end only, never rescans the arguments so far."""
+        if not closed:
             region = region[:len(region) - _partial_tag_len(region, CLOSE_TAG)]
-            final = region[:_CLOSING.search(region).start()]
+        final = region.rstrip()
+        if final.endswith("}"):
+            final = final[:-1].rstrip()
         sent = self.calls[-1]["function"]["arguments"]
         if final.startswith(sent):
             self._args(out, final[len(sent):])
