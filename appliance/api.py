@@ -322,12 +322,7 @@ class Api:
             ids = self.encode(loaded, req.prompt, req.max_tokens, len(body))
             prompt_text = req.prompt
         else:
-            vocab = len(loaded.tokenizer)
-            bad = [t for t in req.prompt if t >= vocab]
-            if bad:
-                raise ApiError(400, f"Invalid 'prompt': token id {bad[0]} is out of range (vocabulary size "
-                                    f"{vocab}).", param="prompt", code="invalid_value")
-            ids = list(req.prompt)
+            ids = self.check_token_ids(loaded, req.prompt, "prompt")
             prompt_text = loaded.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else ""
         self.check_context(loaded, len(ids), req.max_tokens)
         return req, ids, prompt_text
@@ -372,6 +367,16 @@ class Api:
 
     def _count_image(self) -> None:  # image threads run one at a time (IMAGE_THREADS)
         self.images_decoded += 1
+
+    def check_token_ids(self, loaded: Any, ids: Any, param: str) -> list[int]:
+        """Token ids a client sent (non-negative, checked by the parser) as a list; 400 on `param` for one past
+        the vocabulary."""
+        vocab = len(loaded.tokenizer)
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"Invalid '{param}': token id {bad} is out of range (vocabulary size {vocab}).",
+                           param=param, code="invalid_value")
+        return list(ids)
 
     def check_context(self, loaded: Any, n_prompt: int, max_tokens: int | None) -> None:
         ctx = loaded.context_length

@@ -204,12 +204,7 @@ class OllamaApi:
             ids = self.api.encode(loaded, prompt, o.request.max_tokens, body_size)
         else:
             prompt, ids = self.api.render_prompt(loaded, o.request, body_size, check=False)
-        vocab = len(loaded.tokenizer)
-        bad = [t for t in o.context if t >= vocab]
-        if bad:
-            raise ApiError(400, f"Invalid 'context': token id {bad[0]} is out of range (vocabulary size {vocab}).",
-                           param="context")
-        ids = [*o.context, *ids]
+        ids = self.api.check_token_ids(loaded, o.context, "context") + ids
         return prompt, ids, self._fit(loaded, o, len(ids)), self.api.compile_constraint(loaded, o.request, prompt,
                                                                                        "format")
 

@@ -156,6 +156,9 @@ def test_errors_in_ollama_shape(client, server):
     with pytest.raises(ollama.ResponseError) as e:
         client.generate(model=name(server), prompt="x", images=[base64.b64encode(b"png").decode()])
     assert e.value.status_code == 400 and "images" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:      # a context id past the vocabulary
+        client.generate(model=name(server), prompt="x", context=[1, 10**9])
+    assert e.value.status_code == 400 and "'context'" in e.value.error and "1000000000" in e.value.error
 
 
 def test_api_key_in_ollama_shape(scripted_qwen3):
