@@ -69,8 +69,6 @@ class LoopLag:
     def __init__(self) -> None:
         self.max_s = 0.0          # worst since start
         self.stalls = 0           # wake-ups later than STALL_S
-        self.samples = 0
-        self.total_s = 0.0
         self._window: list[float] = [0.0, 0.0]  # worst in the previous and the current window
         self._window_start = 0.0
         self.history: collections.deque = collections.deque(maxlen=4096)  # (trio time, lateness): ~80 s
@@ -93,8 +91,6 @@ class LoopLag:
         self.max_s = max(self.max_s, late)
         self.stalls += late > self.STALL_S
         self.history.append((now, late))
-        self.samples += 1
-        self.total_s += late
 
     async def run(self) -> None:
         self._window_start = trio.current_time()

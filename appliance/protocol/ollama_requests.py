@@ -40,13 +40,11 @@ SAMPLING_OPTIONS = {"temperature": ("temperature", "number"), "top_p": ("top_p",
 
 @dataclass(frozen=True)
 class OllamaRequest:
-    request: ChatRequest              # what the engine path needs (messages, sampling, limits, tools, template)
-    model: str
-    think: bool | str | None = None
+    request: ChatRequest              # what the engine path needs (messages, sampling, limits, tools, template,
+                                      # model, `format` as output_format, `think` as template_kwargs)
     num_ctx: int | None = None        # a smaller context for this request
     load_only: bool = False           # empty messages / prompt: Ollama's load (or unload) request
     unload: bool = False              # keep_alive 0 with nothing to generate
-    response_format: Any = None       # `format` as an OutputFormat (also in request.output_format)
     # /api/generate only
     raw: bool = False
     prompt: str = ""
@@ -203,8 +201,7 @@ def _common(data: Mapping[str, Any], defaults, context_length, messages, tools) 
     req = ChatRequest(messages=messages, sampling=sampling, model=model, max_tokens=max_tokens, stop=stop,
                       stream=stream, tools=tools, tool_choice="auto" if tools else None, template_kwargs=kwargs,
                       output_format=fmt)
-    return OllamaRequest(request=req, model=model, think=think, num_ctx=num_ctx, response_format=fmt,
-                         unload=_zero(keep_alive))
+    return OllamaRequest(request=req, num_ctx=num_ctx, unload=_zero(keep_alive))
 
 
 def parse_ollama_chat(body: bytes, *, defaults: Mapping[str, Any] | None = None, context_length: int | None = None,
