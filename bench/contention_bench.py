@@ -23,22 +23,12 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 import peer  # noqa: E402
-from gguf_bench import Ours  # noqa: E402
-
-from appliance.native import kernels  # noqa: E402
+from gguf_bench import Ours, interleaved, side_by_side  # noqa: E402
 
 
 def busy_process() -> subprocess.Popen:
     """One process that wants a whole core (a browser's main thread, say)."""
     return subprocess.Popen([sys.executable, "-c", "while True: pass"])
-
-
-def measure(ours: Ours, theirs, runs: int, prompt_len: int, decode: int) -> tuple[list[float], list[float]]:
-    o, t = [], []
-    for _ in range(runs):  # interleaved, so both see the same background
-        o.append(ours.run(prompt_len, decode)[1])
-        t.append(theirs.bench(prompt_len, decode, runs=1, warmup=False)["decode_tok_s"])
-    return o, t
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,16 +44,14 @@ def main(argv: list[str] | None = None) -> int:
         from tests.support.gguf_files import fetch_smollm2
         args.model = fetch_smollm2()
     ours = Ours(args.model, args.prompt, args.decode)
-    kernels.set_threads(args.threads)
     rows = []
-    with peer.LlamaCppPeer(args.model, n_threads=args.threads, n_ctx=args.prompt + args.decode + 8) as theirs:
-        ours.run(16, 4)
-        theirs.bench(16, 4, runs=1, warmup=False)
+    with side_by_side(ours, peer, args.threads) as theirs:
         for condition in ("idle", "one busy process"):
             hog = busy_process() if condition != "idle" else None
             try:
                 load = os.getloadavg()[0]
-                o, t = measure(ours, theirs, args.runs, args.prompt, args.decode)
+                measured = interleaved(ours, theirs, args.runs)
+                o, t = measured["ours_dec"], measured["llama_dec"]
             finally:
                 if hog is not None:
                     hog.kill()

@@ -17,6 +17,7 @@ measured again before each row (the machine is shared; the 1-minute load average
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -169,7 +170,7 @@ class Ours:
     def __init__(self, path: str, prompt_len: int, decode: int):
         self.lm = load_model(path, context_length=prompt_len + decode + 8, prefill_chunk=prompt_len)
         self.lm.engine.reuse_prefix = False  # every run prefills its whole prompt (no reuse of the last one's KV)
-        self.prompt_len, self.decode = prompt_len, decode
+        self.path, self.prompt_len, self.decode = path, prompt_len, decode
 
     def run(self, prompt_len: int, decode: int) -> tuple[float, float]:
         """(prefill tok/s, decode tok/s) of one greedy generation over a random prompt."""
@@ -180,28 +181,44 @@ class Ours:
         return prompt_len / (fin.timings.prefill_ms / 1000.0), fin.timings.tok_s
 
 
+@contextlib.contextmanager
+def side_by_side(ours: Ours, peer, n_threads: int):
+    """llama.cpp (bench/peer.py) on ours' file, both engines at n_threads and warmed up (weights paged in, pools
+    built); yields the peer."""
+    kernels.set_threads(n_threads)
+    with peer.LlamaCppPeer(ours.path, n_threads=n_threads, n_ctx=ours.prompt_len + ours.decode + 8) as theirs:
+        ours.run(16, 4)
+        theirs.bench(16, 4, runs=1, warmup=False)
+        yield theirs
+
+
+def interleaved(ours: Ours, theirs, runs: int, after_ours=None) -> dict[str, list[float]]:
+    """Prefill and decode tok/s of `runs` generations of ours' prompt length and decode count by each engine,
+    alternating run by run so machine noise hits both alike; after_ours() is called after each of ours."""
+    out: dict[str, list[float]] = {"ours_pre": [], "ours_dec": [], "llama_pre": [], "llama_dec": []}
+    for _ in range(runs):
+        p, d = ours.run(ours.prompt_len, ours.decode)
+        out["ours_pre"].append(p)
+        out["ours_dec"].append(d)
+        if after_ours is not None:
+            after_ours()
+        r = theirs.bench(ours.prompt_len, ours.decode, runs=1, warmup=False)
+        out["llama_pre"].append(r["prefill_tok_s"])
+        out["llama_dec"].append(r["decode_tok_s"])
+    return out
+
+
 def bench_model(label: str, path: str, threads: list[int], runs: int, prompt_len: int, decode: int, peer) -> list[dict]:
     rows = []
     wb = weight_bytes_per_token(path)
     ours = Ours(path, prompt_len, decode)
     for n in threads:
-        kernels.set_threads(n)
-        with peer.LlamaCppPeer(path, n_threads=n, n_ctx=prompt_len + decode + 8) as theirs:
-            ours.run(16, 4)  # warm-up: page the weights in, build pools
-            theirs.bench(16, 4, runs=1, warmup=False)
+        with side_by_side(ours, peer, n) as theirs:
             bandwidth = copy_bandwidth()  # per row: the machine is shared, its load changes
             load = os.getloadavg()[0]
-            o_pre, o_dec, t_pre, t_dec = [], [], [], []
-            for _ in range(runs):  # interleaved
-                p, d = ours.run(prompt_len, decode)
-                o_pre.append(p)
-                o_dec.append(d)
-                r = theirs.bench(prompt_len, decode, runs=1, warmup=False)
-                t_pre.append(r["prefill_tok_s"])
-                t_dec.append(r["decode_tok_s"])
-        row = dict(model=label, threads=n, ours_dec=statistics.median(o_dec), llama_dec=statistics.median(t_dec),
-                   ours_pre=statistics.median(o_pre), llama_pre=statistics.median(t_pre), weight_mb=wb / 1e6,
-                   limit=bandwidth / wb, bandwidth=bandwidth, load=load, runs=dict(ours_dec=o_dec, llama_dec=t_dec, ours_pre=o_pre, llama_pre=t_pre))
+            measured = interleaved(ours, theirs, runs)
+        row = dict(model=label, threads=n, **{k: statistics.median(v) for k, v in measured.items()},
+                   weight_mb=wb / 1e6, limit=bandwidth / wb, bandwidth=bandwidth, load=load, runs=measured)
         rows.append(row)
         print_row(row, file=sys.stderr)
     return rows

@@ -20,7 +20,8 @@ import sys
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gguf_bench import CACHE, Ours, attention_plan, copy_bandwidth, write_random_gguf  # noqa: E402
+from gguf_bench import (CACHE, Ours, attention_plan, copy_bandwidth, interleaved, side_by_side,  # noqa: E402
+                        write_random_gguf)
 
 from appliance.engine.load.gguf import open_gguf  # noqa: E402
 from appliance.engine.page_release import mapping_rss  # noqa: E402
@@ -94,26 +95,21 @@ def main(argv=None) -> int:
         ours = Ours(path, args.prompt, args.decode)
         stats = ours.lm.model.expert_stats
         for n in (int(x) for x in args.threads.split(",")):
-            kernels.set_threads(n)
-            with peer.LlamaCppPeer(path, n_threads=n, n_ctx=args.prompt + args.decode + 8) as theirs:
-                ours.run(16, 4)
-                theirs.bench(16, 4, runs=1, warmup=False)
-                o_pre, o_dec, t_pre, t_dec, per_tok = [], [], [], [], []
-                for _ in range(args.runs):
-                    stats.reset()
-                    p, d = ours.run(args.prompt, args.decode)
-                    o_pre.append(p)
-                    o_dec.append(d)
+            with side_by_side(ours, peer, n) as theirs:
+                per_tok = []
+
+                def count_experts():  # distinct (layer, expert) pairs one request read
                     per_tok.append(stats.distinct_experts)
-                    r = theirs.bench(args.prompt, args.decode, runs=1, warmup=False)
-                    t_pre.append(r["prefill_tok_s"])
-                    t_dec.append(r["decode_tok_s"])
+                    stats.reset()
+                stats.reset()
+                measured = interleaved(ours, theirs, args.runs, after_ours=count_experts)
                 rss_kept = mapping_rss(ours.lm.model.layers[0].mlp.experts[0].gate.raw)  # the file mapping's RSS
                 set_release_pages(ours.lm.model, True)
                 rel_pre, rel_dec = ours.run(args.prompt, args.decode)
                 rss_released = mapping_rss(ours.lm.model.layers[0].mlp.experts[0].gate.raw)
                 set_release_pages(ours.lm.model, False)
-            od, td, op, tp = (statistics.median(x) for x in (o_dec, t_dec, o_pre, t_pre))
+            od, td, op, tp = (statistics.median(measured[k])
+                              for k in ("ours_dec", "llama_dec", "ours_pre", "llama_pre"))
             print(f"{t:<6}{n:>4}{od:>10.2f}{td:>10.2f}{od / td:>7.2f}{op:>10.1f}{tp:>10.1f}{op / tp:>7.2f}"
                   f"{sparse / 1e6:>8.0f}{dense / 1e6:>9.0f}{statistics.median(per_tok):>8.0f}/{QWEN3_30B_A3B['experts'] * args.layers}"
                   f"{rss_kept / 1e6:>10.0f}{rss_released / 1e6:>10.0f}{rel_dec:>10.2f}", flush=True)
