@@ -21,6 +21,8 @@ import time
 
 import pytest
 
+from tests.support.live_server import wait_healthy
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.path.expanduser(os.environ.get("KESTREL_BUILD_CACHE", "~/.cache/kestrel-build"))
 ELF_MACHINES = {62: "x86_64", 183: "aarch64"}
@@ -157,17 +159,9 @@ def test_serves_a_streamed_chat_and_exits_0_on_sigterm(clean_dir, tmp_path):
                             cwd=c["dir"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        cold_start = None
-        while time.monotonic() - t0 < c["timeout"]:
-            assert proc.poll() is None, proc.communicate()
-            try:
-                if get(port, "/health")[0] == 200:
-                    cold_start = time.monotonic() - t0
-                    break
-            except OSError:
-                pass
-            time.sleep(0.05)
-        assert cold_start is not None, "no /health 200 in time"
+        healthy = wait_healthy(port, c["timeout"], proc)
+        cold_start = time.monotonic() - t0
+        assert healthy, proc.communicate() if proc.poll() is not None else "no /health 200 in time"
 
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=c["timeout"])
         model = client.models.list().data[0].id
@@ -274,15 +268,7 @@ def test_images_decode_in_the_frozen_executable(frozen_binary, tmp_path, tmp_pat
                             cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            assert proc.poll() is None, proc.communicate()
-            try:
-                if get(port, "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.05)
+        assert wait_healthy(port, timeout, proc), proc.communicate() if proc.poll() is not None else "no /health 200"
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=timeout)
         model = client.models.list().data[0].id
 

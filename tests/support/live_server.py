@@ -243,6 +243,27 @@ class RawClient:
         return r.raw_body
 
 
+def wait_healthy(port: int, timeout: float, proc=None) -> bool:
+    """Poll GET /health on a server started as a process until it answers 200 (a refused connection or a 503 while
+    the model loads: not yet). False when `proc` (a Popen) exits first or `timeout` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and (proc is None or proc.poll() is None):
+        try:
+            c = RawClient(port, timeout=10)
+            try:
+                c.send(request_bytes("GET", "/health"))
+                r = c.read_head()
+                c.read_body(r)
+            finally:
+                c.close()
+            if r.status == 200:
+                return True
+        except OSError:
+            pass
+        time.sleep(0.05)
+    return False
+
+
 def chat_body(content: str = "Count from 1 to 20.", **extra) -> dict:
     body = {"model": "tiny", "messages": [{"role": "user", "content": content}]}
     body.update(extra)

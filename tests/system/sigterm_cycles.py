@@ -27,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 
-from tests.support.live_server import RawClient, chat_body, request_bytes  # noqa: E402
+from tests.support.live_server import RawClient, chat_body, request_bytes, wait_healthy  # noqa: E402
 
 
 def start(model: str, grace: float, log) -> tuple[subprocess.Popen, int]:
@@ -49,23 +49,11 @@ def start(model: str, grace: float, log) -> tuple[subprocess.Popen, int]:
     while port is None and time.monotonic() < deadline and proc.poll() is None:
         port = listening_port(proc.pid)
         time.sleep(0.05)
-    if port is None:
-        raise RuntimeError(f"server did not listen (exit {proc.poll()}): {''.join(lines)[-2000:]}")
-    while time.monotonic() < deadline:
-        try:
-            c = RawClient(port, timeout=10)
-            c.send(request_bytes("GET", "/health"))
-            r = c.read_head()
-            c.read_body(r)
-            c.close()
-            if r.status == 200:
-                return proc, port
-        except OSError:
-            pass
-        time.sleep(0.1)
+    if port is not None and wait_healthy(port, deadline - time.monotonic(), proc):
+        return proc, port
     rc = proc.poll()
     proc.kill()
-    raise RuntimeError(f"server never became ready (exit {rc})")
+    raise RuntimeError(f"server never became ready (exit {rc}, port {port}): {''.join(lines)[-2000:]}")
 
 
 def allow_core_dumps() -> None:
