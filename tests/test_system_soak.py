@@ -1,6 +1,6 @@
-"""The `system` tier (`pytest -m system tests/test_system_soak.py`, ~3 min; not in the default run): the soak and
-fuzz scenarios of tests/system/soak.py with small counts against the real server, and SIGTERM under load
-through the real command line. The long versions (1,000 disconnects, 100,000 generated requests, 300
+"""Part of the `system` tier (scripts/test.sh runs it; alone: `pytest tests/test_system_soak.py`, ~3 min): the
+soak and fuzz scenarios of tests/system/soak.py with small counts against the real server, and SIGTERM under
+load through the real command line. The long versions (1,000 disconnects, 100,000 generated requests, 300
 start/serve/SIGTERM cycles) are the scripts in tests/system/, with their figures in the closing note.
 """
 from __future__ import annotations
