@@ -3,6 +3,7 @@
 # smoke-test the aarch64 executable first; with arguments: pytest on those only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | { grep -v '^WARNING: Location' || true; }
 # Debian packages the suite drives for real: nginx (tests/test_server_proxy.py starts its own reverse proxy),
@@ -14,7 +15,6 @@ packages="nginx gcc-aarch64-linux-gnu qemu-user-static binfmt-support debootstra
           clang lld binutils-aarch64-linux-gnu pkg-config python3.11 make"
 missing=$(for p in $packages; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done)
 if [ -n "$missing" ]; then
-    sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
     $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq $missing >/dev/null
 fi
 
@@ -25,7 +25,6 @@ fi
 # flake; cached steps are not repeated); a failure stops here with the log's tail, before the suite.
 # KESTREL_AARCH64=0 leaves this stage out of a local full run; CI (.ci/run) always runs it.
 if [ $# -eq 0 ] && [ "${KESTREL_AARCH64:-1}" != 0 ]; then
-    sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
     mkdir -p dist
     log=dist/build-aarch64.log
     t0=$(date +%s)
