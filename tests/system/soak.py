@@ -139,7 +139,9 @@ header_value = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_s
 
 
 @st.composite
-def http_request(draw) -> bytes:
+def http_request(draw) -> tuple[str, bytes]:
+    """(kind, request bytes): "raw" requests may have any head; the others have a well-formed head and a body of
+    the length they declare, so the server must answer them."""
     kind = draw(st.sampled_from(["chat", "chat", "completion", "raw"]))
     if kind == "raw":
         method = draw(st.sampled_from(["GET", "POST", "PUT", "DELETE", "OPTIONS", "HEAD", "PATCH", "BREW"]))
@@ -147,7 +149,7 @@ def http_request(draw) -> bytes:
                                      "/v1/completions", "/v1/../etc", "/%00", "/v1/chat/completions?x=%ff"]))
         headers = draw(st.dictionaries(header_name, header_value, max_size=4))
         body = draw(st.binary(max_size=200))
-        return request_bytes(method, path, body if method in ("POST", "PUT", "PATCH") else None, headers)
+        return kind, request_bytes(method, path, body if method in ("POST", "PUT", "PATCH") else None, headers)
     fields = draw(chat_fields if kind == "chat" else completion_fields)
     if not isinstance(fields.get("max_tokens"), int) or isinstance(fields["max_tokens"], bool):
         fields["max_tokens"] = 4  # a valid request runs to the context otherwise: slow (a 'hang'), not more telling
@@ -157,7 +159,7 @@ def http_request(draw) -> bytes:
         raw = json.dumps(fields).encode()
         cut = draw(st.integers(0, len(raw)))
         body = raw[:cut] + draw(st.binary(max_size=8))
-    return request_bytes("POST", "/v1/chat/completions" if kind == "chat" else "/v1/completions", body)
+    return kind, request_bytes("POST", "/v1/chat/completions" if kind == "chat" else "/v1/completions", body)
 
 
 def send_one(port: int, data: bytes) -> int:
@@ -186,14 +188,18 @@ def fuzz(port: int, n: int, seed: int = 16) -> dict:
     @settings(max_examples=n, deadline=None, database=None, derandomize=False,
               suppress_health_check=list(HealthCheck))
     @given(http_request())
-    def one(data):
+    def one(request):
+        kind, data = request
         try:
             status = send_one(port, data)
         except (socket.timeout, TimeoutError):
             failures.append(("hang", data[:300]))
             return
-        except (ConnectionError, OSError) as e:  # the server may close after a malformed head: that is fine
-            status = f"closed:{type(e).__name__}"
+        except (ConnectionError, OSError) as e:
+            if kind != "raw":  # a well-formed request closed without a response: the client learns nothing
+                failures.append((f"closed:{type(e).__name__}", data[:300]))
+                return
+            status = f"closed:{type(e).__name__}"  # after a malformed head the server may just close
         counts[status] = counts.get(status, 0) + 1
         if isinstance(status, int) and status >= 500:
             failures.append((status, data[:300]))
