@@ -16,7 +16,7 @@ import subprocess
 
 import pytest
 
-from tests.test_image_install import ROOTFS, passwd_entry, pristine_rootfs, read_env, verify  # noqa: F401
+from tests.test_image_install import passwd_entry, pristine_rootfs, read_env, target, verify  # noqa: F401
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = "kestrel-appliance"
@@ -24,11 +24,9 @@ UNIT = f"{PKG}.service"
 
 
 @pytest.fixture
-def root(pristine_rootfs, tmp_path):
-    r = str(tmp_path / "root")
-    subprocess.run(["cp", "-a", pristine_rootfs, r], check=True)
-    yield r
-    shutil.rmtree(r)
+def root(target):
+    """A fresh copy of the Debian 11 arm64 root (test_image_install's `target`)."""
+    return target
 
 
 def make_deb(root: str, out: str, version: str = "0.1.0") -> str:
