@@ -127,11 +127,8 @@ class OllamaApi:
     async def root(self, ex: Exchange) -> None:
         if self.api.html_root is not None and wants_html(ex.header("accept")):
             return await self.api.html_root(ex)
-        headers = [(b"Content-Type", b"text/plain; charset=utf-8")] + self.api.cors_headers()
-        if ex.method == "HEAD":  # the GET's headers, no body
-            await ex.start_stream(200, headers + [(b"Content-Length", str(len(ROOT_TEXT)).encode())])
-            return await ex.end_stream()
-        await ex.respond(200, headers, ROOT_TEXT)
+        # HEAD: Exchange.respond sends the GET's headers (Content-Length included) and no body
+        await ex.respond(200, [(b"Content-Type", b"text/plain; charset=utf-8")] + self.api.cors_headers(), ROOT_TEXT)
 
     async def version(self, ex: Exchange) -> None:
         await self.api.send_json(ex, {"version": OLLAMA_COMPAT_VERSION})

@@ -11,6 +11,7 @@ import ollama
 import openai
 import pytest
 
+from appliance.ollama_api import OLLAMA_COMPAT_VERSION
 from tests.support.live_server import LiveServer, RawClient, request_bytes
 from tests.support.scripted_model import ANSWER, THINKING
 from tests.support.tiny_vl import cached_qwen3_vl, image_bytes
@@ -45,6 +46,9 @@ def test_root_version_list_show_ps(client, server):
     c.send(request_bytes("HEAD", "/"))
     r = c.read_head()
     assert r.status == 200 and r.header("content-length") == "17"
+    c.send(request_bytes("GET", "/api/version"))      # no body followed the HEAD's headers on this connection
+    r = c.read_head()
+    assert r.status == 200 and json.loads(c.read_body(r))["version"] == OLLAMA_COMPAT_VERSION
     c.close()
     c = RawClient(server.port)
     c.send(request_bytes("GET", "/api/version"))
