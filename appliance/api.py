@@ -280,7 +280,7 @@ class Api:
         """Worker thread: the compiled constraint of a ChatRequest's output_format (None: unconstrained), letting
         a thinking model think first when its thinking is on; a grammar llguidance refuses is a 400 on `param`
         with its reason. Bounded by llguidance's limits; the first call also builds the tokenizer's table
-        (~1-3 s for a 150k vocabulary)."""
+        (3.4 s for Qwen3's 151,936 tokens on the shared x86 test machine, bench/RESULTS.md)."""
         if req.output_format is None:
             return None
         think = think_mode(loaded.tokenizer, prompt_ends_in_reasoning(prompt), req.enable_thinking)

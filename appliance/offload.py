@@ -27,7 +27,7 @@ import trio
 T = TypeVar("T")
 
 PREP_THREADS = 2     # request preparations (JSON, template, tokenizer) at once
-IMAGE_THREADS = 1    # image decodes at once (an 8000x8000 RGBA decode holds ~0.7 GB while it runs)
+IMAGE_THREADS = 1    # image decodes at once (one 8000x8000 RGBA PNG: ~1.2 GB of peak RSS growth, README)
 TRIM_BYTES = 1 << 20  # work on at least this many input bytes ends with malloc_trim
 
 _libc = None
