@@ -68,6 +68,13 @@ def test_accept_negotiation():
     assert web.wants_html(BROWSER_ACCEPT) and web.wants_html("TEXT/HTML") and web.wants_html("application/xhtml+xml")
     assert not web.wants_html(None) and not web.wants_html("*/*") and not web.wants_html("text/html; q=0")
     assert not web.wants_html("text/plain, application/json")
+    for malformed in ("text/html;q=.", "text/html;q=1.2.3", "text/html;q=x"):   # a malformed q is no weight
+        assert web.wants_html(malformed)
+
+
+def test_a_malformed_accept_gets_an_answer_not_a_500(server):
+    r, body = get(server, "/", {"Accept": "text/html;q=."})
+    assert r.status == 200 and body.startswith(b"<!doctype html>")
 
 
 def test_props_needs_the_key_and_describes_the_model(server):

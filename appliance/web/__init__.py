@@ -74,8 +74,8 @@ def wants_html(accept: str | None) -> bool:
     for part in accept.split(","):
         kind, _, params = part.strip().partition(";")
         if kind.strip().lower() in ("text/html", "application/xhtml+xml"):
-            q = re.search(r"q\s*=\s*([0-9.]+)", params)
-            return not q or float(q.group(1) or 0) > 0
+            q = re.search(r"q\s*=\s*(\d+(?:\.\d*)?)", params)   # always a float (q=. once raised: a 500)
+            return not q or float(q.group(1)) > 0
     return False
 
 
