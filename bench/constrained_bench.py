@@ -39,7 +39,6 @@ SCHEMA = {"type": "array", "minItems": 40, "items": {
     "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
                    "city": {"enum": ["Paris", "Berlin", "Tokyo", "Lima"]},
                    "tags": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 12}}}}}
-THREADS = [1]
 PROMPT = [{"role": "user", "content": "List forty people as JSON: name, age, city and a few tags each."}]
 
 
@@ -61,11 +60,11 @@ def grammar_ms_per_token(compiled, tokens: list[int]) -> float:
     return (time.perf_counter() - t0) * 1000.0 / len(tokens)
 
 
-def bench_model(label: str, path: str, runs: int, decode: int) -> list[dict]:
+def bench_model(label: str, path: str, runs: int, decode: int, threads: int) -> list[dict]:
     lm = load_model(path, context_length=1024)
     if kernels.available():
-        kernels.set_threads(THREADS[0])
-    print(f"{label}: native library {kernels.available() and kernels.simd_name()}, threads {THREADS[0]}",
+        kernels.set_threads(threads)
+    print(f"{label}: native library {kernels.available() and kernels.simd_name()}, threads {threads}",
           file=sys.stderr, flush=True)
     prompt = lm.tokenizer.encode(lm.chat_template.render(PROMPT, add_generation_prompt=True, enable_thinking=False))
     vocab = lm.engine.model.config.vocab_size
@@ -111,10 +110,9 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--decode", type=int, default=128)
     args = ap.parse_args(argv)
-    THREADS[0] = args.threads
     rows = []
     for m in args.models.split(","):
-        rows += bench_model(*bench_file(m), args.runs, args.decode)
+        rows += bench_model(*bench_file(m), args.runs, args.decode, args.threads)
     print(f"\ndecode: {args.decode} tokens, median of {args.runs} interleaved runs; overhead = 1 - schema / free "
           f"tok/s; grammar ms/tok = mask + accept alone (tokens replayed); load = 1-min load average (2 cores, "
           f"shared); schema compile (first use, with the tokenizer table): "

@@ -11,6 +11,7 @@ reuse, all of it. TTFT here is the engine's (prefill of what is not cached + the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -50,14 +51,6 @@ def ours_turn(engine, ids, n=1):
     return fin
 
 
-class _Nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
@@ -75,7 +68,8 @@ def main(argv=None) -> int:
     eng = lm.engine
     eng.warm_up()
     rows = []
-    with (peer.LlamaCppPeer(path, n_threads=args.threads, n_ctx=ctx) if histories else _Nothing()) as theirs:
+    peer_or_none = peer.LlamaCppPeer(path, n_threads=args.threads, n_ctx=ctx) if histories else contextlib.nullcontext()
+    with peer_or_none as theirs:
         if histories:
             theirs.turn(conversation(99, 64)[0], reuse=False)  # pages the weights in
         for i, h in enumerate(histories):
