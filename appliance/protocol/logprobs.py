@@ -8,6 +8,7 @@ Policies:
 """
 from __future__ import annotations
 
+import codecs
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
@@ -61,7 +62,8 @@ def completion_logprobs(entries: Sequence[LogprobEntry], text_offset: int = 0) -
     """Legacy /v1/completions `logprobs`; `text_offset` is where the first token starts in the choice text
     (character offsets, as OpenAI counts them)."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
-    seen = b""      # bytes so far; a character split across tokens is counted once it is complete
+    chars = 0       # characters of the bytes so far; a character split across tokens is counted once it is complete
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")   # holds a split character's first bytes
     for e in entries:
         t = token_text(e.token)
         tokens.append(t)
@@ -70,6 +72,6 @@ def completion_logprobs(entries: Sequence[LogprobEntry], text_offset: int = 0) -
         for b, lp in e.top:
             top.setdefault(token_text(b), clamp_logprob(lp))
         tops.append(top)
-        offsets.append(text_offset + len(seen.decode("utf-8", errors="ignore")))
-        seen += e.token
+        offsets.append(text_offset + chars)
+        chars += len(decoder.decode(e.token))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
