@@ -14,8 +14,9 @@ Policies:
   draws from OS entropy. Same seed + same logits -> same tokens.
 - Validation rejects what the OpenAI API / llama.cpp server reject; invalid values in a model's
   generation_config.json are ignored (the dataclass default applies), so a model's defaults never fail a request.
-- Cost: the Sampler lives for one request and keeps penalty state incrementally; per token it does O(V) scans
-  (argpartition, comparisons, one exp) and sorts only the few candidates that top-p actually inspects.
+- Cost: the Sampler lives for one request and keeps penalty state incrementally (only when a penalty is set);
+  per token it does O(V) scans (argpartition, comparisons, one exp) and sorts only the few candidates that
+  top-p actually inspects.
 """
 from __future__ import annotations
 
@@ -186,11 +187,11 @@ class Sampler:
                         generated_ids: Sequence[int]) -> np.ndarray:
         """The logits after repetition, presence and frequency penalties (a copy when anything changes)."""
         p = self.params
-        self._track(prompt_ids, generated_ids)
         rep = p.repetition_penalty != 1.0
         pf = p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
         if not (rep or pf):
-            return logits
+            return logits                                         # nothing to track either (the usual case)
+        self._track(prompt_ids, generated_ids)
         out = np.array(logits, dtype=np.float32, copy=True)      # (V,)
         if rep and self._rep_ids.size:
             ids = self._rep_ids.ids                               # (n,)
