@@ -11,8 +11,9 @@ from appliance.engine import qwen3
 from appliance.engine.config import Qwen3Config
 from appliance.engine.layer_runner import NativeLayers, choose_runner, native_layers
 from appliance.engine.quant_weights import QuantWeight
-from appliance.engine.weights import DenseWeight, HalfWeight
+from appliance.engine.weights import DenseWeight
 from appliance.native import kernels, ops_numpy
+from appliance.native.dequant_numpy import dequantize
 from appliance.native.qtypes import QType
 from tests.support.ggml_blocks import random_weight
 
@@ -44,12 +45,27 @@ def test_ops_equal_twins():
                                    rtol=1e-5, atol=1e-5)
 
 
+class WidenedBF16:
+    """A BF16 matrix whose products run in numpy over its exactly widened values (the reference side), while
+    the native decoder reads the same bits in place through native_spec()."""
+
+    def __init__(self, bits: np.ndarray):
+        self.bits, self.shape = bits, bits.shape  # (out, in) uint16
+        self.w = dequantize(QType.BF16, bits)  # (out, in) float32
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return x @ self.w.T
+
+    def native_spec(self):
+        return QType.BF16, self.bits
+
+
 def _weight(kind, out, n, rng):
     if kind == "f32":
         return DenseWeight((rng.standard_normal((out, n)) * 0.1).astype(np.float32))
     if kind == "bf16":
         f = (rng.standard_normal((out, n)) * 0.1).astype(np.float32)
-        return HalfWeight((f.view(np.uint32) >> 16).astype(np.uint16), "BF16")
+        return WidenedBF16((f.view(np.uint32) >> 16).astype(np.uint16))
     qtype = QType[kind]
     return QuantWeight(qtype, (out, n), random_weight(qtype, out, n, rng))
 

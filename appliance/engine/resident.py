@@ -50,7 +50,7 @@ class ResidentPlan:
 
 
 def weight_array(w) -> np.ndarray | None:
-    """The array a weight object reads (QuantWeight.raw, HalfWeight.raw, DenseWeight.w), if any."""
+    """The array a weight object reads (QuantWeight.raw, DenseWeight.w), if any."""
     for name in ("raw", "w"):
         a = getattr(w, name, None)
         if isinstance(a, np.ndarray):
@@ -122,11 +122,9 @@ class StreamedHead:
 
 def _row_slice(w, r0: int, r1: int):
     from .quant_weights import QuantWeight
-    from .weights import DenseWeight, HalfWeight
+    from .weights import DenseWeight
     if isinstance(w, QuantWeight):
         return QuantWeight(w.qtype, (r1 - r0, w.shape[1]), w.raw[r0:r1], native=w.native, repack=False)
-    if isinstance(w, HalfWeight):
-        return HalfWeight(w.raw[r0:r1], w.dtype)
     if isinstance(w, DenseWeight):
         return DenseWeight(w.w[r0:r1])
     raise ResidentBudgetError(f"cannot stream an output head of type {type(w).__name__}")

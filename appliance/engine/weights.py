@@ -3,7 +3,9 @@ linear weight; any object with `rows(ids)` is an embedding table. Quantized form
 classes with the same two methods, so the forward pass never knows how a weight is stored.
 
 Policy: the numpy path keeps float32 tensors as zero-copy mmap views; BF16/F16 tensors are widened to
-float32 once at load (numpy has no fast half-precision matmul). The native library reads them in place.
+float32 once at load (numpy has no fast half-precision matmul). The native library reads them in place
+(quant_weights.half_weight: a QuantWeight over the stored bits, which is also how mixture-of-experts experts
+stay in the mapping, widened per use, without the library).
 """
 from __future__ import annotations
 
@@ -32,25 +34,3 @@ class DenseWeight:
             return QType.F32, w
         return None
 
-
-class HalfWeight:
-    """A BF16 or F16 (out, in) matrix kept as its memory-mapped bits and widened to float32 at each use.
-    For weights read rarely (mixture-of-experts experts), so memory follows what is used, not the file."""
-
-    def __init__(self, raw: np.ndarray, dtype: str):
-        self.raw, self.dtype = raw, dtype  # (out, in) uint16 (BF16 bits) or float16
-        self.shape = raw.shape
-
-    def widen(self) -> np.ndarray:
-        if self.dtype == "BF16":
-            return (self.raw.astype(np.uint32) << 16).view(np.float32)
-        return self.raw.astype(np.float32)
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        return x @ self.widen().T  # (T, in) -> (T, out)
-
-    def native_spec(self) -> tuple[int, np.ndarray] | None:
-        """(qtype, data) the C kernels read in place, or None (see QuantWeight.native_spec)."""
-        if self.raw.ndim == 2 and self.raw.flags.c_contiguous:
-            return (QType.BF16 if self.dtype == "BF16" else QType.F16), self.raw
-        return None

@@ -23,7 +23,7 @@ from ..qwen3_vl import Qwen3VLModel
 from ..quant_weights import half_weight
 from ..safetensors import SafeTensors, SafetensorsError, to_float32
 from ..vision import Linear, PatchMerger, VisionBlock, VisionConfig, VisionTower, vision_ops
-from ..weights import DenseWeight, HalfWeight
+from ..weights import DenseWeight
 from . import Checkpoint, LoadOptions, ModelLoadError
 from .names import EXPERT_PROJECTIONS, HFNames
 
@@ -89,10 +89,10 @@ def dense_weight(st: SafeTensors, name: str):
 
 
 def expert_weight(raw: np.ndarray, dtype: str):
-    """One expert matrix left in the mapping: the native kernels read BF16/F16 in place; without the library it
-    is widened per use (HalfWeight), never all experts at load."""
+    """One expert matrix left in the mapping (a QuantWeight over its bits): the native kernels read BF16/F16 in
+    place; without the library it is widened per use, never all experts at load."""
     if dtype in ("BF16", "F16"):
-        return half_weight(raw, dtype) if native_available() else HalfWeight(raw, dtype)
+        return half_weight(raw, dtype)
     return DenseWeight(to_float32(raw, dtype))
 
 
