@@ -11,6 +11,9 @@ import struct
 
 import numpy as np
 
+from appliance.native.dequant_numpy import dequantize
+from appliance.native.qtypes import QType
+
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
            "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 
@@ -89,7 +92,8 @@ class SafeTensors:
 
 
 def to_float32(a: np.ndarray, dtype: str) -> np.ndarray:
-    """Widen a stored tensor to float32 (F32 stays a zero-copy view)."""
+    """Widen a stored tensor to float32 (F32 stays a zero-copy view; BF16 bits through the dequantizer's BF16
+    case, the one widening of them)."""
     if dtype == "BF16":
-        return (a.astype(np.uint32) << 16).view(np.float32)
+        return dequantize(QType.BF16, a.reshape(1, -1)).reshape(a.shape)
     return a if a.dtype == np.float32 else a.astype(np.float32)
