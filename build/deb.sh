@@ -60,13 +60,10 @@ chmod 0755 "$STAGE"
 trap 'rm -rf "$STAGE"' EXIT
 install -D -m 0755 "$BINARY" "$STAGE/usr/bin/$PKG"
 install -d "$STAGE/lib/systemd/system"
-sed -e "s|/usr/local/bin/$PKG|/usr/bin/$PKG|g" \
-    -e "s|^# Kestrel appliance as a system service\. .*|# Kestrel appliance as a system service (Debian package $PKG).|" \
-    "$REPO/image/$PKG.service" > "$STAGE/lib/systemd/system/$PKG.service"
+sed -e "s|/usr/local/bin/$PKG|/usr/bin/$PKG|g" "$REPO/image/$PKG.service" > "$STAGE/lib/systemd/system/$PKG.service"
 install -D -m 0644 "$REPO/image/$PKG.sysusers" "$STAGE/usr/lib/sysusers.d/$PKG.conf"
 install -d "$STAGE/etc/$PKG"
 sed -e "s|@MODEL@|/var/lib/$PKG/models/default|" -e "s|@HOST@|0.0.0.0|" -e "s|@PORT@|8080|" -e "s|@THREADS@|4|" \
-    -e "s|image/install.sh writes this file once and never overwrites it|dpkg keeps your edits to this file on upgrades|" \
     "$REPO/image/appliance.env" > "$STAGE/etc/$PKG/appliance.env"
 chmod 0644 "$STAGE/etc/$PKG/appliance.env" "$STAGE/lib/systemd/system/$PKG.service"
 install -d "$STAGE/usr/share/doc/$PKG"
