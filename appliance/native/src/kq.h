@@ -148,6 +148,30 @@ static inline float kq_expf(float x) {
     return y * sc;
 }
 
+/* Softmax pieces (vision and decoder attention): the max of p[0..n), and p[i] = exp(p[i] - mx) returning their
+ * sum; 16 lanes (then the tail, then the lanes), so the reductions vectorize. */
+static inline float kq_max(const float *p, int64_t n) {
+    float m16[16], mx = -__builtin_inff();
+    for (int j = 0; j < 16; j++) m16[j] = -__builtin_inff();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; j++) m16[j] = p[i + j] > m16[j] ? p[i + j] : m16[j];
+    for (; i < n; i++) mx = p[i] > mx ? p[i] : mx;
+    for (int j = 0; j < 16; j++) mx = m16[j] > mx ? m16[j] : mx;
+    return mx;
+}
+
+static inline float kq_exp_sum(float *p, int64_t n, float mx) {
+    float acc[16] = {0}, sum = 0.0f;
+    int64_t i;
+    for (i = 0; i < n; i++) p[i] = kq_expf(p[i] - mx);
+    for (i = 0; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; j++) acc[j] += p[i + j];
+    for (; i < n; i++) sum += p[i];
+    for (int j = 0; j < 16; j++) sum += acc[j];
+    return sum;
+}
+
 static inline uint16_t kq_ld16(const void *p) { uint16_t v; __builtin_memcpy(&v, p, 2); return v; }
 
 #endif

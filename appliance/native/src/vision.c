@@ -101,22 +101,7 @@ static void sa_prep(void *c_, int64_t a, int64_t z) { /* patches a .. z-1 */
 }
 
 KQ_CLONES static void softmax_rows(float *s, int64_t rows, int64_t n, float *sums) {
-    for (int64_t t = 0; t < rows; t++) {
-        float *p = s + t * n;
-        float m16[16], acc[16] = {0}, mx = -INFINITY, sum = 0.0f;
-        for (int j = 0; j < 16; j++) m16[j] = -INFINITY;
-        int64_t i = 0;
-        for (; i + 16 <= n; i += 16) /* 16 lanes: the max and the sum vectorize */
-            for (int j = 0; j < 16; j++) m16[j] = p[i + j] > m16[j] ? p[i + j] : m16[j];
-        for (; i < n; i++) mx = p[i] > mx ? p[i] : mx;
-        for (int j = 0; j < 16; j++) mx = m16[j] > mx ? m16[j] : mx;
-        for (i = 0; i < n; i++) p[i] = kq_expf(p[i] - mx);
-        for (i = 0; i + 16 <= n; i += 16)
-            for (int j = 0; j < 16; j++) acc[j] += p[i + j];
-        for (; i < n; i++) sum += p[i];
-        for (int j = 0; j < 16; j++) sum += acc[j];
-        sums[t] = sum;
-    }
+    for (int64_t t = 0; t < rows; t++) sums[t] = kq_exp_sum(s + t * n, n, kq_max(s + t * n, n));
 }
 
 static void sa_task(void *c_, int64_t a, int64_t z) { /* (head, query block) pairs a .. z-1 */
