@@ -89,7 +89,7 @@ static void kv_store(void *cache, int f16, int64_t at, const float *x, int64_t h
 
 /* acc (hd) = sum_s p[s] * V[s]: fixed head sizes keep the accumulator in registers */
 #define PV_FIXED(HD)                                                                              \
-    static inline void pv_##HD(const float *p, const float *V, int64_t n, float *out) {           \
+    static inline __attribute__((always_inline)) void pv_##HD(const float *p, const float *V, int64_t n, float *out) {           \
         float acc[HD] = {0};                                                                      \
         for (int64_t s = 0; s < n; s++)                                                           \
             for (int i = 0; i < HD; i++) acc[i] += p[s] * V[s * HD + i];                           \
@@ -98,80 +98,97 @@ static void kv_store(void *cache, int f16, int64_t at, const float *x, int64_t h
 PV_FIXED(64)
 PV_FIXED(128)
 
-static inline void pv_any(const float *p, const float *V, int64_t n, int64_t hd, float *out) {
+static inline __attribute__((always_inline)) void pv_any(const float *p, const float *V, int64_t n, int64_t hd, float *out) {
     for (int64_t i = 0; i < hd; i++) out[i] = 0.0f;
     for (int64_t s = 0; s < n; s++)
         for (int64_t i = 0; i < hd; i++) out[i] += p[s] * V[s * hd + i];
 }
 
-static inline void pv(const float *p, const float *V, int64_t n, int64_t hd, float *out) {
+static inline __attribute__((always_inline)) void pv(const float *p, const float *V, int64_t n, int64_t hd, float *out) {
     if (hd == 64) pv_64(p, V, n, out);
     else if (hd == 128) pv_128(p, V, n, out);
     else pv_any(p, V, n, hd, out);
 }
 
-/* ---- attention: q (T, H, hd), caches (KV, max_len, hd) holding S positions, out (T, H, hd) ---- */
-#define KV_BLOCK 256 /* float16 caches: keys/values converted this many positions at a time */
+/* ---- attention: q (T, H, hd), caches (KV, max_len, hd) holding S positions, out (T, H, hd) ----
+ * Policy: a task is one KV head, a group of the query heads sharing it and a block of query tokens (its rows:
+ * head-group x tokens). Keys and values are walked in blocks of KV_BLOCK positions; a float16 block is
+ * widened once per task and serves all its rows, and a block's scores for all rows are one multi-token float
+ * tile product (kq_f32_tiles), so prefill reads (and widens) each block once per task instead of once per
+ * (head, token). The softmax is online (running max and sum per row, rescaled per block). A row's result
+ * depends only on its query, the cache and its causal limit (blocks start at fixed multiples of KV_BLOCK; a
+ * block past the limit is skipped), never on T, the task it falls in or the thread count: chunked prefill,
+ * whole prefill and decode agree. */
+#define KV_BLOCK 256 /* positions per key/value block */
+#define ATT_ROWS 64  /* rows (query head x token) per task at most */
 typedef struct {
     const float *q;
     const void *kc, *vc;
     float *out;
-    int64_t max_len, T, S, H, KV, hd;
+    int64_t max_len, T, S, H, KV, hd, group, qb, ngroups, nqb; /* group heads x qb tokens per task */
     int f16;
     _Atomic int err; /* a task could not get its scratch: the result is incomplete */
 } attn_ctx;
 
-KQ_CLONES static void attn_task(void *c_, int64_t a, int64_t b) { /* (head, token) pairs a .. b-1 */
+KQ_CLONES static void attn_task(void *c_, int64_t a, int64_t b) { /* tasks (kv, head group, token block) */
     const attn_ctx *c = c_;
-    const int64_t hd = c->hd;
-    float *p = kq_scratch(2, (size_t)(c->S + 2 * hd + (c->f16 ? KV_BLOCK * hd : 0)) * sizeof(float));
-    if (!p) { atomic_store(&((attn_ctx *)c_)->err, 1); return; }
-    float *acc = p + c->S, *part = acc + hd, *rows = part + hd;
+    const int64_t hd = c->hd, R = c->group * c->qb, kvb = c->f16 ? KV_BLOCK * hd : 0;
+    float *qs = kq_scratch(2, (size_t)(R * (2 * hd + KV_BLOCK + 2) + hd + 2 * kvb) * sizeof(float));
+    if (!qs) { atomic_store(&((attn_ctx *)c_)->err, 1); return; }
+    float *acc = qs + R * hd, *sc = acc + R * hd, *mx = sc + R * KV_BLOCK, *sum = mx + R, *part = sum + R;
+    float *kf = part + hd, *vf = kf + kvb;
     const float scale = (float)(1.0 / sqrt((double)hd));
-    int64_t rep = c->H / c->KV;
     for (int64_t j = a; j < b; j++) {
-        int64_t h = j / c->T, t = j % c->T, kv = h / rep;
-        int64_t n = c->S - c->T + t + 1; /* causal: keys 0 .. S-T+t */
-        const float *q = c->q + (t * c->H + h) * hd;
-        int64_t base = kv * c->max_len * hd;
-        if (!c->f16) {
-            kq_f32_dots((const float *)c->kc + base, n, hd, q, p); /* p[s] = q . k_s */
-        } else {
-            for (int64_t s0 = 0; s0 < n; s0 += KV_BLOCK) {
-                int64_t m = n - s0 < KV_BLOCK ? n - s0 : KV_BLOCK;
-                h2f_rows((const uint16_t *)c->kc + base + s0 * hd, m * hd, rows);
-                kq_f32_dots(rows, m, hd, q, p + s0);
+        const int64_t kv = j / (c->ngroups * c->nqb), h0 = kv * (c->H / c->KV) + (j / c->nqb) % c->ngroups * c->group;
+        const int64_t t0 = j % c->nqb * c->qb, nt = c->T - t0 < c->qb ? c->T - t0 : c->qb, rows = c->group * nt;
+        const int64_t first = c->S - c->T + t0 + 1, base = kv * c->max_len * hd; /* row (tok, hh) sees first + tok keys */
+        for (int64_t tok = 0; tok < nt; tok++) /* rows tok * group + hh: (rows, hd) */
+            memcpy(qs + tok * c->group * hd, c->q + ((t0 + tok) * c->H + h0) * hd, (size_t)(c->group * hd) * 4);
+        for (int64_t s0 = 0; s0 < first + nt - 1; s0 += KV_BLOCK) {
+            const int64_t m = first + nt - 1 - s0 < KV_BLOCK ? first + nt - 1 - s0 : KV_BLOCK;
+            const float *K = (const float *)c->kc + base + s0 * hd, *V = (const float *)c->vc + base + s0 * hd;
+            if (c->f16) {
+                h2f_rows((const uint16_t *)c->kc + base + s0 * hd, m * hd, kf);
+                h2f_rows((const uint16_t *)c->vc + base + s0 * hd, m * hd, vf);
+                K = kf, V = vf;
+            }
+            kq_f32_tiles(K, m, hd, qs, rows, sc, KV_BLOCK); /* sc[r][s] = q_r . k_s */
+            for (int64_t r = 0; r < rows; r++) {
+                int64_t n = first + r / c->group - s0; /* this row's keys in the block */
+                if (n <= 0) continue;
+                n = n < m ? n : m;
+                float *p = sc + r * KV_BLOCK, *o = acc + r * hd;
+                for (int64_t s = 0; s < n; s++) p[s] *= scale;
+                const float bm = kq_max(p, n), top = s0 == 0 || bm > mx[r] ? bm : mx[r], bs = kq_exp_sum(p, n, top);
+                pv(p, V, n, hd, s0 == 0 ? o : part);
+                if (s0 == 0) {
+                    sum[r] = bs;
+                } else { /* rescale what the earlier blocks gave to the new running max (by 1 if it held) */
+                    const float f = kq_expf(mx[r] - top);
+                    sum[r] = sum[r] * f + bs;
+                    for (int64_t i = 0; i < hd; i++) o[i] = o[i] * f + part[i];
+                }
+                mx[r] = top;
             }
         }
-        float mx = -INFINITY;
-        for (int64_t s = 0; s < n; s++) {
-            p[s] *= scale;
-            mx = p[s] > mx ? p[s] : mx;
+        for (int64_t r = 0; r < rows; r++) {
+            const float inv = 1.0f / sum[r], *o = acc + r * hd;
+            float *dst = c->out + ((t0 + r / c->group) * c->H + h0 + r % c->group) * hd;
+            for (int64_t i = 0; i < hd; i++) dst[i] = o[i] * inv;
         }
-        float sum = 0.0f;
-        for (int64_t s = 0; s < n; s++) p[s] = kq_expf(p[s] - mx);
-        for (int64_t s = 0; s < n; s++) sum += p[s];
-        float inv = 1.0f / sum;
-        if (!c->f16) {
-            pv(p, (const float *)c->vc + base, n, hd, acc);
-        } else {
-            for (int64_t i = 0; i < hd; i++) acc[i] = 0.0f;
-            for (int64_t s0 = 0; s0 < n; s0 += KV_BLOCK) {
-                int64_t m = n - s0 < KV_BLOCK ? n - s0 : KV_BLOCK;
-                h2f_rows((const uint16_t *)c->vc + base + s0 * hd, m * hd, rows);
-                pv(p + s0, rows, m, hd, part);
-                for (int64_t i = 0; i < hd; i++) acc[i] += part[i];
-            }
-        }
-        float *o = c->out + (t * c->H + h) * hd;
-        for (int64_t i = 0; i < hd; i++) o[i] = acc[i] * inv;
     }
 }
 
 int kq_attention(const float *q, const void *kc, const void *vc, int64_t max_len, int64_t T, int64_t S,
                  int64_t H, int64_t KV, int64_t hd, int kv_f16, float *out) {
-    attn_ctx c = {q, kc, vc, out, max_len, T, S, H, KV, hd, kv_f16 != 0, 0};
-    kq_parallel_for(H * T, 1, attn_task, &c);
+    const int64_t rep = H / KV, nth = kq_get_threads();
+    int64_t group = rep, qb = ATT_ROWS / rep < 1 ? 1 : ATT_ROWS / rep;
+    qb = qb < T ? qb : T;
+    /* fewer tasks than threads (decode): split the head groups (each split widens the blocks once more) */
+    while (group % 2 == 0 && KV * (rep / group) * ((T + qb - 1) / qb) < nth) group /= 2;
+    attn_ctx c = {q, kc, vc, out, max_len, T, S, H, KV, hd, group, qb, rep / group, (T + qb - 1) / qb,
+                  kv_f16 != 0, 0};
+    kq_parallel_for(KV * c.ngroups * c.nqb, 1, attn_task, &c);
     return atomic_load(&c.err) ? -2 : 0;
 }
 
