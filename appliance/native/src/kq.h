@@ -172,6 +172,15 @@ static inline float kq_exp_sum(float *p, int64_t n, float mx) {
     return sum;
 }
 
+/* Row tiles' weights ahead of their use: rows r .. r+3 (clamped to rows) of a matrix with rb bytes per row into
+ * L2. The hardware prefetcher loses track of short rows; matmul and the MoE experts fetch KQ_PF_TILES tiles ahead. */
+#define KQ_PF_TILES 4
+static inline void kq_prefetch_rows(const uint8_t *w, size_t rb, int64_t r, int64_t rows) {
+    if (r >= rows) return;
+    const uint8_t *p = w + (size_t)r * rb, *e = w + (size_t)(r + 4 < rows ? r + 4 : rows) * rb;
+    for (; p < e; p += 64) __builtin_prefetch(p, 0, 3);
+}
+
 static inline uint16_t kq_ld16(const void *p) { uint16_t v; __builtin_memcpy(&v, p, 2); return v; }
 
 #endif

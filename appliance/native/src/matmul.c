@@ -279,29 +279,12 @@ typedef struct {
     float *out;
 } mm_ctx;
 
-#ifndef PF_TILES
-#define PF_TILES 4
-#endif
-#ifndef X8_PF
-#define X8_PF 0 /* one contiguous stream: the hardware prefetcher does better alone (measured) */
-#endif
-#ifndef X8_PF_HINT
-#define X8_PF_HINT 3
-#endif
-#ifndef PF_HINT
-#define PF_HINT 3
-#endif
 static void mm_task(void *c_, int64_t a, int64_t b) { /* row tiles a .. b-1 */
     const mm_ctx *c = c_;
     for (int64_t i = a; i < b; i++) {
         int64_t r0 = 4 * i;
         int nr = c->rows - r0 < 4 ? (int)(c->rows - r0) : 4;
-        /* the hardware prefetcher loses track of short rows: fetch coming tiles' bytes into L2 */
-        if (i + PF_TILES < b) {
-            const uint8_t *p = c->w + (size_t)(r0 + 4 * PF_TILES) * c->rb;
-            const uint8_t *e = c->w + (size_t)(r0 + 4 * PF_TILES + 4 < c->rows ? r0 + 4 * PF_TILES + 4 : c->rows) * c->rb;
-            for (; p < e; p += 64) __builtin_prefetch(p, 0, PF_HINT);
-        }
+        if (i + KQ_PF_TILES < b) kq_prefetch_rows(c->w, c->rb, r0 + 4 * KQ_PF_TILES, c->rows);
         c->fn(c->w, c->rb, r0, nr, c->nb, c->act, 0, c->T, c->out, c->rows);
     }
 }
@@ -329,15 +312,11 @@ typedef struct {
     float *out;
 } x8_ctx;
 
-static void x8_task(void *c_, int64_t a, int64_t b) { /* row groups a .. b-1 */
+/* row groups a .. b-1; no software prefetch: one contiguous stream, the hardware prefetcher does better alone
+ * (measured) */
+static void x8_task(void *c_, int64_t a, int64_t b) {
     const x8_ctx *c = c_;
     for (int64_t g = a; g < b; g++) {
-#if X8_PF
-        if (g + X8_PF < b) {
-            const uint8_t *p = c->w + (size_t)(g + X8_PF) * c->gbytes, *e = p + c->gbytes;
-            for (; p < e; p += 64) __builtin_prefetch(p, 0, X8_PF_HINT);
-        }
-#endif
         int64_t r0 = 8 * g;
         int nr = c->rows - r0 < 8 ? (int)(c->rows - r0) : 8;
         if (c->qtype == KQ_Q6_K)
@@ -348,8 +327,6 @@ static void x8_task(void *c_, int64_t a, int64_t b) { /* row groups a .. b-1 */
             K.x8(c->qtype, c->w + (size_t)g * c->gbytes, c->nb, c->act, c->T, c->out, c->rows, r0, nr);
     }
 }
-
-static void quantize_act(const float *x, int64_t T, int64_t n, void *out, int k);
 
 static int matmul_x8(int qtype, const uint8_t *w, int64_t rows, int64_t n, const float *x, int64_t T, float *out) {
     int bb = kq_x8_block_bytes(qtype), bs = (qtype == KQ_Q4_K || qtype == KQ_Q6_K) ? 256 : 32;

@@ -26,16 +26,6 @@ typedef struct {
     int64_t tiles_i, n_used;
 } moe_ctx;
 
-/* rows r .. r+3 of a matrix into L2 ahead of their tile (as mm_task does: short rows lose the prefetcher) */
-static inline void prefetch_rows(const uint8_t *w, size_t rb, int64_t r, int64_t rows) {
-    if (r >= rows) return;
-    const uint8_t *p = w + (size_t)r * rb, *e = w + (size_t)(r + 4 < rows ? r + 4 : rows) * rb;
-    for (; p < e; p += 64) __builtin_prefetch(p, 0, 3);
-}
-#ifndef MOE_PF
-#define MOE_PF 4 /* tiles ahead */
-#endif
-
 static void gate_up_task(void *c_, int64_t a, int64_t b) { /* (matrix, used expert, 4-row tile of inter) a .. b-1 */
     const moe_ctx *c = c_;
     const int64_t I = c->m->inter, per = c->tiles_i * c->n_used;
@@ -46,7 +36,7 @@ static void gate_up_task(void *c_, int64_t a, int64_t b) { /* (matrix, used expe
         int nr = I - r0 < 4 ? (int)(I - r0) : 4, e = c->used[k];
         const uint8_t *w = up ? c->m->up[e] : c->m->gate[e];
         size_t rb = up ? c->rbu : c->rbg;
-        if (MOE_PF && j + MOE_PF < b) prefetch_rows(w, rb, r0 + 4 * MOE_PF, I);
+        if (j + KQ_PF_TILES < b) kq_prefetch_rows(w, rb, r0 + 4 * KQ_PF_TILES, I);
         if (up) c->up_fn(w, rb, r0, nr, c->nbu, c->au + s * c->aub, 0, T, c->u + s * I, I);
         else c->gate_fn(w, rb, r0, nr, c->nbg, c->ag + s * c->agb, 0, T, c->g + s * I, I);
     }
