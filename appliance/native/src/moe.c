@@ -42,10 +42,6 @@ static void gate_up_task(void *c_, int64_t a, int64_t b) { /* (matrix, used expe
     }
 }
 
-KQ_CLONES static void silu_mul(float *g, const float *u, int64_t n) {
-    for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + kq_expf(-g[i])) * u[i];
-}
-
 /* top-k of one token's router logits (E) -> ids and weights (k) */
 static void route_token(const float *logits, int64_t E, int64_t k, int norm, float *p, int32_t *ids, float *w) {
     float mx = -INFINITY, sum = 0.0f;
@@ -146,7 +142,7 @@ int kq_moe_ffn(const kq_moe *m, const float *x, int64_t T, float *out) {
     c.tiles_i = (I + 3) / 4;
     c.n_used = nu;
     kq_parallel_for(2 * nu * c.tiles_i, kq_chunk_for(2 * nu * c.tiles_i), gate_up_task, &c);
-    silu_mul(c.g, c.u, R * I);
+    kq_swiglu(c.g, c.u, R * I, c.g);
     /* down: one pooled product per used expert over its rows of h (a single task list across experts measured
      * 3x slower at decode: it pushed the gate/up weights out of the cache between steps) */
     for (int64_t q = 0; q < nu && rc == 0; q++)
