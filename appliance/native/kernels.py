@@ -292,11 +292,7 @@ def self_attention(qkv: np.ndarray, heads: int, cos: np.ndarray, sin: np.ndarray
     if cos.shape != (n, hd // 2) or sin.shape != cos.shape:
         raise ValueError("cos/sin must be (N, head_dim/2)")
     out = np.empty((n, heads * hd), np.float32)
-    rc = _lib.kq_self_attention(_ptr(qkv), n, heads, hd, _ptr(cos), _ptr(sin), _ptr(out))
-    if rc == -2:
-        raise MemoryError("self_attention: out of memory")
-    if rc:
-        raise ValueError(f"self_attention failed ({rc})")
+    _check(_lib.kq_self_attention(_ptr(qkv), n, heads, hd, _ptr(cos), _ptr(sin), _ptr(out)), "self_attention")
     return out
 
 
@@ -367,11 +363,7 @@ class MoEFFN:
             raise ValueError(f"input width {x.shape[1]} != hidden {self.shape[1]}")
         out = np.empty_like(x)
         if x.shape[0]:
-            rc = _lib.kq_moe_ffn(self.address, x.ctypes.data, x.shape[0], out.ctypes.data)
-            if rc == -2:
-                raise MemoryError("moe_ffn: out of memory")
-            if rc:
-                raise ValueError(f"moe_ffn failed ({rc})")
+            _check(_lib.kq_moe_ffn(self.address, x.ctypes.data, x.shape[0], out.ctypes.data), "moe_ffn")
         return out
 
 
