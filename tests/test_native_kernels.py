@@ -79,7 +79,7 @@ def test_x8_layout_matmul_is_bit_exact(qtype, level):
 def test_float_matmul_matches_twin(qtype, level):
     kernels.set_simd_level(level)
     rng = np.random.default_rng(int(qtype))
-    # n not a multiple of 8 too; n past one k-block (256) and T past several multi-token tiles
+    # n not a multiple of 8 too; n past 256 and T past several multi-token tiles
     for rows, n, T in [(1, 1, 1), (5, 13, 2), (37, 67, 5), (6, 256, 1), (9, 600, 13), (4, 1031, 20)]:
         w = random_weight(qtype, rows, n, rng)
         x = _x(rng, T, n)
@@ -92,7 +92,7 @@ def test_float_matmul_matches_twin(qtype, level):
 @pytest.mark.parametrize("qtype", FLOAT, ids=lambda t: t.name)
 def test_float_matmul_column_does_not_depend_on_batch(qtype, level):
     """A token's output is the same whether it is computed alone (decode), in a chunk or in a whole prefill
-    (multi-token tiles and k-blocks keep one arithmetic per output)."""
+    (a multi-token tile keeps one arithmetic per output: one FMA chain over k)."""
     kernels.set_simd_level(level)
     rng = np.random.default_rng(40 + int(qtype))
     w = random_weight(qtype, 11, 777, rng)
