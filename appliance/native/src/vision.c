@@ -49,27 +49,28 @@ void kq_layer_norm(const float *x, const float *w, const float *b, int64_t T, in
 /* ---- GELU, tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) ---- */
 typedef struct { const float *x; float *out; } gelu_ctx;
 
-KQ_CLONES static void gelu_task(void *c_, int64_t a, int64_t z) { /* elements 1024 a .. 1024 z - 1 */
-    const gelu_ctx *c = c_;
-    for (int64_t i = a * 1024; i < z * 1024; i++) {
-        float x = c->x[i];
-        float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+KQ_CLONES static void gelu_range(const float *x, float *out, int64_t a, int64_t z) { /* elements a .. z-1 */
+    for (int64_t i = a; i < z; i++) {
+        float u = 0.7978845608028654f * (x[i] + 0.044715f * x[i] * x[i] * x[i]);
         float th = 1.0f - 2.0f / (1.0f + kq_expf(2.0f * u)); /* tanh(u); kq_expf clamps, so +-1 at the ends */
-        c->out[i] = 0.5f * x * (1.0f + th);
+        out[i] = 0.5f * x[i] * (1.0f + th);
     }
+}
+
+static void gelu_task(void *c_, int64_t a, int64_t z) { /* elements 1024 a .. 1024 z - 1 */
+    const gelu_ctx *c = c_;
+    gelu_range(c->x, c->out, a * 1024, z * 1024);
 }
 
 void kq_gelu_tanh(const float *x, int64_t n, float *out) {
     gelu_ctx c = {x, out};
     int64_t whole = n / 1024;
-    if (whole) {
-        if (n < 65536) gelu_task(&c, 0, whole);
-        else kq_parallel_for(whole, kq_chunk_for(whole), gelu_task, &c);
+    if (n < 65536) {
+        gelu_range(x, out, 0, n);
+        return;
     }
-    for (int64_t i = whole * 1024; i < n; i++) { /* the tail */
-        float v = x[i], u = 0.7978845608028654f * (v + 0.044715f * v * v * v);
-        out[i] = 0.5f * v * (2.0f - 2.0f / (1.0f + kq_expf(2.0f * u)));
-    }
+    kq_parallel_for(whole, kq_chunk_for(whole), gelu_task, &c);
+    gelu_range(x, out, whole * 1024, n); /* the tail */
 }
 
 /* ---- self-attention over one image: qkv (N, 3, H, hd) -> out (N, H * hd) ---- */
