@@ -184,8 +184,9 @@ int kq_attention(const float *q, const void *kc, const void *vc, int64_t max_len
     const int64_t rep = H / KV, nth = kq_get_threads();
     int64_t group = rep, qb = ATT_ROWS / rep < 1 ? 1 : ATT_ROWS / rep;
     qb = qb < T ? qb : T;
-    /* fewer tasks than threads (decode): split the head groups (each split widens the blocks once more) */
-    while (group % 2 == 0 && KV * (rep / group) * ((T + qb - 1) / qb) < nth) group /= 2;
+    /* fewer tasks than threads (decode): split the head group into the fewest equal parts that give every thread
+     * one (each part reads and widens the blocks once more) */
+    while (group > 1 && (rep % group || KV * (rep / group) * ((T + qb - 1) / qb) < nth)) group--;
     attn_ctx c = {q, kc, vc, out, max_len, T, S, H, KV, hd, group, qb, rep / group, (T + qb - 1) / qb,
                   kv_f16 != 0, 0};
     kq_parallel_for(KV * c.ngroups * c.nqb, 1, attn_task, &c);
