@@ -99,6 +99,18 @@ def get(port: int, path: str, headers: dict | None = None) -> tuple[int, bytes]:
         conn.close()
 
 
+# Size budgets (bytes). aarch64 is what boards flash: issue 15's goal, met by cutting numpy's OpenBLAS to what
+# numpy calls (build/numpy_blas.sh) and leaving out modules nothing imports at run time (build/pyinstaller.spec).
+# x86_64 (CI and development) keeps the wheel's OpenBLAS; its budget only stops it from growing unnoticed.
+SIZE_BUDGET = {"aarch64": 30_000_000, "x86_64": 40_000_000}
+
+
+def test_executable_fits_its_size_budget(frozen_binary):
+    arch = elf_arch(frozen_binary)
+    size = os.path.getsize(frozen_binary)
+    assert size <= SIZE_BUDGET[arch], f"{arch} executable is {size:,} bytes, over its budget of {SIZE_BUDGET[arch]:,}"
+
+
 def test_version_help_and_one_line_errors(clean_dir):
     c = clean_dir
     r = run_exe(c, "--version")
