@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from appliance.native import dequant_numpy, twins
+from appliance.native import dequant_numpy, ops_numpy, twins
 from appliance.native.qtypes import BLOCK, QType
 from tests.support.ggml_blocks import random_weight
 from tests.support.kernel_driver import kernels_under_test
@@ -100,6 +100,28 @@ def test_float_matmul_column_does_not_depend_on_batch(qtype, level):
     full = kernels.matmul(qtype, w, x)
     for a, b in [(0, 1), (5, 6), (3, 10), (7, 23)]:
         np.testing.assert_array_equal(kernels.matmul(qtype, w, x[a:b]), full[a:b])
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
+def test_attention_matches_twin_and_rows_do_not_depend_on_chunking(kv_dtype, level):
+    """kq_attention (score tiles, online softmax, probability x value tiles reading the cache as stored) equals
+    the numpy twin at every SIMD level: head sizes that are whole value slices (64, 128) and not (24, 80: the
+    scalar column tail), row counts (query heads x tokens) that leave every partial tile, keys across blocks of
+    256; and a query's row is bit-identical whether its token is computed alone, in a chunk or in the whole."""
+    kernels.set_simd_level(level)
+    rng = np.random.default_rng(70 + level)
+    for T, S, H, KV, hd in [(1, 1, 2, 1, 64), (1, 300, 4, 2, 128), (7, 530, 6, 2, 80), (3, 11, 5, 5, 24),
+                            (11, 700, 8, 2, 64), (2, 257, 14, 2, 128)]:
+        L = S + 5
+        q = rng.standard_normal((T, H, hd)).astype(np.float32)
+        kc, vc = (rng.standard_normal((2, KV, L, hd)) * 2).astype(kv_dtype)
+        kc[:, S:], vc[:, S:] = np.nan, np.nan  # past S: never read
+        got = kernels.attention(q, kc, vc, S)
+        np.testing.assert_allclose(got, ops_numpy.attention(q, kc[:, :S], vc[:, :S], S), rtol=2e-5, atol=2e-5,
+                                   err_msg=f"T={T} S={S} H={H} KV={KV} hd={hd}")
+        for a, b in [(0, 1), (T - 1, T), (T // 2, T)]:
+            np.testing.assert_array_equal(kernels.attention(q[a:b], kc, vc, S - T + b), got[a:b])
 
 
 @pytest.mark.parametrize("level", LEVELS)

@@ -15,7 +15,7 @@ from appliance.native.qtypes import QType
 from appliance.native.twins import ACT32, ACT256
 
 OP_MATMUL, OP_Q8_32, OP_Q8_K, OP_DEQUANT, OP_GET_ROWS, OP_SET_SIMD, OP_SIMD_MAX, OP_SET_THREADS, \
-    OP_GET_THREADS, OP_SIMD_NAME, OP_REPACK_X8 = range(1, 12)
+    OP_GET_THREADS, OP_SIMD_NAME, OP_REPACK_X8, OP_ATTENTION = range(1, 13)
 
 
 class DriverKernels:
@@ -94,6 +94,19 @@ class DriverKernels:
         raw = self._call(OP_MATMUL, int(qtype), w.shape[0], n, x.shape[0], w.nbytes,
                          payload=w.tobytes() + x.tobytes())
         return np.frombuffer(raw, np.float32).reshape(x.shape[0], w.shape[0])
+
+    def attention(self, q, k_cache, v_cache, S):
+        q = np.ascontiguousarray(q, dtype=np.float32)  # (T, H, hd)
+        kv = np.float16 if k_cache.dtype == np.float16 and v_cache.dtype == np.float16 else np.float32
+        k_cache, v_cache = (np.ascontiguousarray(a, dtype=kv) for a in (k_cache, v_cache))  # (KV, L, hd)
+        T, H, hd = q.shape
+        KV, L = k_cache.shape[:2]
+        raw = self._call(OP_ATTENTION, T, S, H, KV, L, hd, int(kv == np.float16),
+                         payload=q.tobytes() + k_cache.tobytes() + v_cache.tobytes())
+        (rc,) = struct.unpack("<q", raw[:8])
+        if rc:
+            raise RuntimeError(f"attention failed ({rc})")
+        return np.frombuffer(raw[8:], np.float32).reshape(T, H, hd)
 
 
 def _repack_x8(self, qtype, w):

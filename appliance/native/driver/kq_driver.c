@@ -14,7 +14,7 @@ static void reply(const void *p, int64_t n) { fwrite(&n, 8, 1, stdout); fwrite(p
 static void reply_int(int64_t v) { reply(&v, 8); }
 
 enum { OP_MATMUL = 1, OP_Q8_32, OP_Q8_K, OP_DEQUANT, OP_GET_ROWS, OP_SET_SIMD, OP_SIMD_MAX, OP_SET_THREADS,
-       OP_GET_THREADS, OP_SIMD_NAME, OP_REPACK_X8 };
+       OP_GET_THREADS, OP_SIMD_NAME, OP_REPACK_X8, OP_ATTENTION };
 
 int main(void) {
     for (;;) {
@@ -57,6 +57,17 @@ int main(void) {
             kq_repack_x8((int)qt, w, rows, n, out);
             reply(out, ob);
             free(w); free(out);
+            break;
+        }
+        case OP_ATTENTION: { /* q (T, H, hd) float32, caches (KV, L, hd) of float32 or float16 */
+            int64_t T = rd64(), S = rd64(), H = rd64(), KV = rd64(), L = rd64(), hd = rd64(), f16 = rd64();
+            size_t cb = (size_t)(KV * L * hd) * (f16 ? 2 : 4);
+            float *q = rdbuf((size_t)(T * H * hd) * 4);
+            int64_t *res = malloc(8 + (size_t)(T * H * hd) * 4); /* the status, then out (T, H, hd) */
+            void *kc = rdbuf(cb), *vc = rdbuf(cb);
+            res[0] = kq_attention(q, kc, vc, L, T, S, H, KV, hd, (int)f16, (float *)(res + 1));
+            reply(res, 8 + T * H * hd * 4);
+            free(q); free(res); free(kc); free(vc);
             break;
         }
         case OP_SET_SIMD: reply_int(kq_set_simd_level((int)rd64())); break;

@@ -83,6 +83,11 @@ void *kq_scratch(int slot, size_t bytes); /* per-thread buffers kept between cal
 void kq_f32_dots(const float *rows, int64_t nrows, int64_t n, const float *x, float *out); /* out = rows @ x, this thread */
 /* out[t * ldo + r] = rows[r] . x[t] for T columns x (T, n), in this thread (multi-token float tiles) */
 void kq_f32_tiles(const float *rows, int64_t nrows, int64_t n, const float *x, int64_t T, float *out, int64_t ldo);
+/* the same over float16 rows (each widened exactly, in registers: equal to widening them first) */
+void kq_f16_tiles(const uint16_t *rows, int64_t nrows, int64_t n, const float *x, int64_t T, float *out, int64_t ldo);
+/* o (nrows, hd) += p (nrows, m) @ V (m, hd), V float16 when f16 (attention's value product), in this thread */
+void kq_pv_tiles(int f16, const float *p, int64_t ldp, int64_t nrows, const void *V, int64_t m, int64_t hd, float *o,
+                 int64_t ldo);
 size_t kq_row_bytes(int qtype, int64_t n);
 float kq_fp16_to_fp32(uint16_t h);
 void kq_dequantize_row(int qtype, const uint8_t *w, int64_t n, float *out);
@@ -104,7 +109,10 @@ enum { KQ_ACT_F32 = 0, KQ_ACT_Q32 = 1, KQ_ACT_Q256 = 2 };
 kq_tile_fn kq_tile_kernel(int qtype, int *act_kind);
 size_t kq_act_row_bytes(int act_kind, int64_t n);
 void kq_prepare_act(int act_kind, const float *x, int64_t T, int64_t n, void *out);
-typedef struct { kq_tile_fn q8_0, q4_0, q4_1, q4_K, q6_K, f32, f16, bf16; kq_x8_fn x8; kq_quant32_fn quant32; kq_x8k_fn x8k, x8q6; } kq_kernels;
+/* o (nrows, hd; row stride ldo) += p (nrows, m; row stride ldp) @ V (m, hd) of float32 or float16 rows (matmul_pv.inc) */
+typedef void (*kq_pv_fn)(const float *p, int64_t ldp, int64_t nrows, const uint8_t *V, int64_t m, int64_t hd, float *o,
+                         int64_t ldo);
+typedef struct { kq_tile_fn q8_0, q4_0, q4_1, q4_K, q6_K, f32, f16, bf16; kq_x8_fn x8; kq_quant32_fn quant32; kq_x8k_fn x8k, x8q6; kq_pv_fn pv_f32, pv_f16; } kq_kernels;
 #define KQ_Q6K_X8_BYTES 1680 /* one Q6_K super-block of 8 rows in the x8 layout */
 void kq_x8q6_group_scalar(const uint8_t *grp, int64_t nb, const kq_act256 *act, int64_t T, float *out,
                           int64_t ldo, int64_t r0, int nr);

@@ -173,10 +173,22 @@ FLOAT_SCALAR(f32_scalar, ldf32(W + 4 * k))
 FLOAT_SCALAR(f16_scalar, kq_fp16_to_fp32(kq_ld16(W + 2 * k)))
 FLOAT_SCALAR(bf16_scalar, ldbf16(W + 2 * k))
 
+/* o += p @ V, one multiply-add chain over s per output (matmul_pv.inc's order) */
+#define PV_SCALAR(name, conv)                                                                                 \
+    static void name(const float *p, int64_t ldp, int64_t nrows, const uint8_t *V, int64_t m, int64_t hd,    \
+                     float *o, int64_t ldo) {                                                                 \
+        for (int64_t r = 0; r < nrows; r++)                                                                   \
+            for (int64_t s = 0; s < m; s++)                                                                   \
+                for (int64_t i = 0; i < hd; i++) o[r * ldo + i] += p[r * ldp + s] * conv;                    \
+    }
+PV_SCALAR(pv_f32_scalar, ldf32(V + 4 * (s * hd + i)))
+PV_SCALAR(pv_f16_scalar, kq_fp16_to_fp32(kq_ld16(V + 2 * (s * hd + i))))
+
 void kq_kernels_scalar(kq_kernels *k) {
     k->q8_0 = q8_0_scalar; k->q4_0 = q4_0_scalar; k->q4_1 = q4_1_scalar;
     k->q4_K = q4_K_scalar; k->q6_K = q6_K_scalar;
     k->f32 = f32_scalar; k->f16 = f16_scalar; k->bf16 = bf16_scalar;
+    k->pv_f32 = pv_f32_scalar; k->pv_f16 = pv_f16_scalar;
     k->x8 = kq_x8_group_scalar;
     k->quant32 = kq_quantize_q8_32_scalar;
     k->x8k = kq_x8k_group_scalar;
@@ -268,6 +280,18 @@ void kq_f32_tiles(const float *rows, int64_t nrows, int64_t n, const float *x, i
     detect();
     for (int64_t r0 = 0; r0 < nrows; r0 += 4)
         K.f32((const uint8_t *)rows, (size_t)n * 4, r0, nrows - r0 < 4 ? (int)(nrows - r0) : 4, n, x, 0, T, out, ldo);
+}
+
+void kq_f16_tiles(const uint16_t *rows, int64_t nrows, int64_t n, const float *x, int64_t T, float *out, int64_t ldo) {
+    detect();
+    for (int64_t r0 = 0; r0 < nrows; r0 += 4)
+        K.f16((const uint8_t *)rows, (size_t)n * 2, r0, nrows - r0 < 4 ? (int)(nrows - r0) : 4, n, x, 0, T, out, ldo);
+}
+
+void kq_pv_tiles(int f16, const float *p, int64_t ldp, int64_t nrows, const void *V, int64_t m, int64_t hd, float *o,
+                 int64_t ldo) {
+    detect();
+    (f16 ? K.pv_f16 : K.pv_f32)(p, ldp, nrows, V, m, hd, o, ldo);
 }
 
 typedef struct {

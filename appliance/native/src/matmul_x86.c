@@ -22,6 +22,9 @@
 #define WLD_F32(p) _mm256_loadu_ps((const float *)(p))
 #define WLD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define WLD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define VSET1(f) _mm256_set1_ps(f)
+#define PVR 3 /* 12 accumulators + 3 broadcasts + 1 value vector */
+#define PVC 4
 static inline float hsum8_avx2(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -56,6 +59,9 @@ static inline float hsum8_avx2(__m256 v) {
 #define WLD_F32(p) _mm512_loadu_ps((const float *)(p))
 #define WLD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define WLD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define VSET1(f) _mm512_set1_ps(f)
+#define PVR 6 /* 24 accumulators + 6 broadcasts + 1 value vector */
+#define PVC 4
 #include "matmul_x86.inc"
 #include "matmul_float_end.inc"
 #define NC 8 /* 32 vector registers: 8 columns per pass over the weights */

@@ -40,20 +40,7 @@ KQ_CLONES void kq_swiglu(const float *g, const float *u, int64_t n, float *out) 
     for (int64_t i = 0; i < n; i++) out[i] = g[i] / (1.0f + kq_expf(-g[i])) * u[i];
 }
 
-/* ---- KV cache elements: float32, or float16 (IEEE half) converted on the fly ---- */
-
-/* half -> float, exact for finite values (the cache never holds inf/nan: see kv_store) */
-static inline float h2f(uint16_t h) {
-    uint32_t v = (uint32_t)(h & 0x7fff) << 13, sign = (uint32_t)(h & 0x8000) << 16;
-    float f;
-    memcpy(&f, &v, 4);
-    f *= 0x1p112f; /* rebias the exponent; subnormal halves land as normal floats */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u |= sign;
-    memcpy(&f, &u, 4);
-    return f;
-}
+/* ---- KV cache elements: float32, or float16 (IEEE half: stored rounded, read widened by the tile kernels) ---- */
 
 /* float -> half, round to nearest even like numpy's astype(float16); past the half range: +-inf */
 static inline uint16_t f2h(float x) {
@@ -73,10 +60,6 @@ static inline uint16_t f2h(float x) {
     return (uint16_t)(sign | (u >> 13));
 }
 
-KQ_CLONES static void h2f_rows(const uint16_t *h, int64_t n, float *out) {
-    for (int64_t i = 0; i < n; i++) out[i] = h2f(h[i]);
-}
-
 /* store one head's row (hd floats) at element offset `at` of a cache */
 static void kv_store(void *cache, int f16, int64_t at, const float *x, int64_t hd) {
     if (f16) {
@@ -87,35 +70,13 @@ static void kv_store(void *cache, int f16, int64_t at, const float *x, int64_t h
     }
 }
 
-/* acc (hd) = sum_s p[s] * V[s]: fixed head sizes keep the accumulator in registers */
-#define PV_FIXED(HD)                                                                              \
-    static inline __attribute__((always_inline)) void pv_##HD(const float *p, const float *V, int64_t n, float *out) {           \
-        float acc[HD] = {0};                                                                      \
-        for (int64_t s = 0; s < n; s++)                                                           \
-            for (int i = 0; i < HD; i++) acc[i] += p[s] * V[s * HD + i];                           \
-        memcpy(out, acc, sizeof acc);                                                             \
-    }
-PV_FIXED(64)
-PV_FIXED(128)
-
-static inline __attribute__((always_inline)) void pv_any(const float *p, const float *V, int64_t n, int64_t hd, float *out) {
-    for (int64_t i = 0; i < hd; i++) out[i] = 0.0f;
-    for (int64_t s = 0; s < n; s++)
-        for (int64_t i = 0; i < hd; i++) out[i] += p[s] * V[s * hd + i];
-}
-
-static inline __attribute__((always_inline)) void pv(const float *p, const float *V, int64_t n, int64_t hd, float *out) {
-    if (hd == 64) pv_64(p, V, n, out);
-    else if (hd == 128) pv_128(p, V, n, out);
-    else pv_any(p, V, n, hd, out);
-}
-
 /* ---- attention: q (T, H, hd), caches (KV, max_len, hd) holding S positions, out (T, H, hd) ----
  * Policy: a task is one KV head, a group of the query heads sharing it and a block of query tokens (its rows:
- * head-group x tokens). Keys and values are walked in blocks of KV_BLOCK positions; a float16 block is
- * widened once per task and serves all its rows, and a block's scores for all rows are one multi-token float
- * tile product (kq_f32_tiles), so prefill reads (and widens) each block once per task instead of once per
- * (head, token). The softmax is online (running max and sum per row, rescaled per block). A row's result
+ * head-group x tokens). Keys and values are walked in blocks of KV_BLOCK positions, read as stored (float16 is
+ * widened in registers); a block's scores for all rows are one multi-token tile product (kq_f32_tiles /
+ * kq_f16_tiles) and its values one probability x value tile product (kq_pv_tiles), so prefill reads each block
+ * once per task instead of once per (head, token). The softmax is online (running max and sum per row; the
+ * accumulated values rescaled when the max grows). A row's result
  * depends only on its query, the cache and its causal limit (blocks start at fixed multiples of KV_BLOCK; a
  * block past the limit is skipped), never on T, the task it falls in or the thread count: chunked prefill,
  * whole prefill and decode agree. */
@@ -132,11 +93,10 @@ typedef struct {
 
 KQ_CLONES static void attn_task(void *c_, int64_t a, int64_t b) { /* tasks (kv, head group, token block) */
     const attn_ctx *c = c_;
-    const int64_t hd = c->hd, R = c->group * c->qb, kvb = c->f16 ? KV_BLOCK * hd : 0;
-    float *qs = kq_scratch(2, (size_t)(R * (2 * hd + KV_BLOCK + 2) + hd + 2 * kvb) * sizeof(float));
+    const int64_t hd = c->hd, R = c->group * c->qb, esz = c->f16 ? 2 : 4;
+    float *qs = kq_scratch(2, (size_t)(R * (2 * hd + KV_BLOCK + 2)) * sizeof(float));
     if (!qs) { atomic_store(&((attn_ctx *)c_)->err, 1); return; }
-    float *acc = qs + R * hd, *sc = acc + R * hd, *mx = sc + R * KV_BLOCK, *sum = mx + R, *part = sum + R;
-    float *kf = part + hd, *vf = kf + kvb;
+    float *acc = qs + R * hd, *sc = acc + R * hd, *mx = sc + R * KV_BLOCK, *sum = mx + R;
     const float scale = (float)(1.0 / sqrt((double)hd));
     for (int64_t j = a; j < b; j++) {
         const int64_t kv = j / (c->ngroups * c->nqb), h0 = kv * (c->H / c->KV) + (j / c->nqb) % c->ngroups * c->group;
@@ -144,32 +104,32 @@ KQ_CLONES static void attn_task(void *c_, int64_t a, int64_t b) { /* tasks (kv, 
         const int64_t first = c->S - c->T + t0 + 1, base = kv * c->max_len * hd; /* row (tok, hh) sees first + tok keys */
         for (int64_t tok = 0; tok < nt; tok++) /* rows tok * group + hh: (rows, hd) */
             memcpy(qs + tok * c->group * hd, c->q + ((t0 + tok) * c->H + h0) * hd, (size_t)(c->group * hd) * 4);
+        memset(acc, 0, (size_t)(rows * hd) * 4);
         for (int64_t s0 = 0; s0 < first + nt - 1; s0 += KV_BLOCK) {
             const int64_t m = first + nt - 1 - s0 < KV_BLOCK ? first + nt - 1 - s0 : KV_BLOCK;
-            const float *K = (const float *)c->kc + base + s0 * hd, *V = (const float *)c->vc + base + s0 * hd;
-            if (c->f16) {
-                h2f_rows((const uint16_t *)c->kc + base + s0 * hd, m * hd, kf);
-                h2f_rows((const uint16_t *)c->vc + base + s0 * hd, m * hd, vf);
-                K = kf, V = vf;
-            }
-            kq_f32_tiles(K, m, hd, qs, rows, sc, KV_BLOCK); /* sc[r][s] = q_r . k_s */
+            const uint8_t *K = (const uint8_t *)c->kc + (base + s0 * hd) * esz, *V = (const uint8_t *)c->vc + (base + s0 * hd) * esz;
+            if (c->f16) kq_f16_tiles((const uint16_t *)K, m, hd, qs, rows, sc, KV_BLOCK); /* sc[r][s] = q_r . k_s */
+            else kq_f32_tiles((const float *)K, m, hd, qs, rows, sc, KV_BLOCK);
             for (int64_t r = 0; r < rows; r++) {
                 int64_t n = first + r / c->group - s0; /* this row's keys in the block */
-                if (n <= 0) continue;
-                n = n < m ? n : m;
                 float *p = sc + r * KV_BLOCK, *o = acc + r * hd;
-                for (int64_t s = 0; s < n; s++) p[s] *= scale;
-                const float bm = kq_max(p, n), top = s0 == 0 || bm > mx[r] ? bm : mx[r], bs = kq_exp_sum(p, n, top);
-                pv(p, V, n, hd, s0 == 0 ? o : part);
-                if (s0 == 0) {
-                    sum[r] = bs;
-                } else { /* rescale what the earlier blocks gave to the new running max (by 1 if it held) */
-                    const float f = kq_expf(mx[r] - top);
-                    sum[r] = sum[r] * f + bs;
-                    for (int64_t i = 0; i < hd; i++) o[i] = o[i] * f + part[i];
+                n = n < 0 ? 0 : n < m ? n : m;
+                if (n > 0) {
+                    for (int64_t s = 0; s < n; s++) p[s] *= scale;
+                    const float bm = kq_max(p, n), top = s0 == 0 || bm > mx[r] ? bm : mx[r], bs = kq_exp_sum(p, n, top);
+                    if (s0 == 0) {
+                        sum[r] = bs;
+                    } else { /* rescale what the earlier blocks gave to the new running max (by 1 if it held) */
+                        const float f = kq_expf(mx[r] - top);
+                        sum[r] = sum[r] * f + bs;
+                        if (f != 1.0f)
+                            for (int64_t i = 0; i < hd; i++) o[i] *= f;
+                    }
+                    mx[r] = top;
                 }
-                mx[r] = top;
+                for (int64_t s = n; s < m; s++) p[s] = 0.0f; /* keys past the row's causal limit add exact zeros */
             }
+            kq_pv_tiles(c->f16, sc, KV_BLOCK, rows, V, m, hd, acc, hd); /* acc[r] += p_r @ V */
         }
         for (int64_t r = 0; r < rows; r++) {
             const float inv = 1.0f / sum[r], *o = acc + r * hd;
