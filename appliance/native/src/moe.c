@@ -50,9 +50,13 @@ static void route_token(const float *logits, int64_t E, int64_t k, int norm, flo
     for (int64_t e = 0; e < E; e++) p[e] /= sum;
     float wsum = 0.0f;
     for (int64_t j = 0; j < k; j++) { /* selection: the largest left, lower id first on ties */
+        /* a NaN probability (a NaN or infinite activation) ranks below every number, like the twin's argsort,
+         * so every pick is a real expert id (chosen ones are marked -1; a NaN is never >= 0 nor -1) */
         int64_t best = -1;
-        for (int64_t e = 0; e < E; e++)
-            if (p[e] >= 0.0f && (best < 0 || p[e] > p[best])) best = e;
+        for (int64_t e = 0; e < E; e++) {
+            if (p[e] == -1.0f) continue;
+            if (best < 0 || (isnan(p[best]) && !isnan(p[e])) || p[e] > p[best]) best = e;
+        }
         ids[j] = (int32_t)best;
         w[j] = p[best];
         wsum += p[best];
