@@ -141,6 +141,7 @@ KQ_CLONES static void attn_task(void *c_, int64_t a, int64_t b) { /* tasks (kv, 
 
 int kq_attention(const float *q, const void *kc, const void *vc, int64_t max_len, int64_t T, int64_t S,
                  int64_t H, int64_t KV, int64_t hd, int kv_f16, float *out) {
+    if (T <= 0 || S < T || S > max_len || KV <= 0 || H < KV || H % KV || hd <= 0) return -1;
     const int64_t rep = H / KV, nth = kq_get_threads();
     int64_t group = rep, qb = ATT_ROWS / rep < 1 ? 1 : ATT_ROWS / rep;
     qb = qb < T ? qb : T;
@@ -163,6 +164,7 @@ int kq_forward(const kq_model *m, void *const *k_cache, void *const *v_cache, in
                float *h, int64_t T, int64_t pos, const float *cos, const float *sin) {
     const int64_t D = m->hidden, H = m->n_heads, KV = m->n_kv, hd = m->head_dim, I = m->inter;
     if (pos + T > max_len) return -3;
+    if (T <= 0 || pos < 0 || D <= 0 || hd <= 0 || hd % 2 || KV <= 0 || H < KV || H % KV) return -1;
     const int64_t qd = H * hd, kd = KV * hd;
     size_t need = (size_t)T * (size_t)(2 * D + 2 * qd + 2 * kd + 2 * I) * 4;
     float *base = kq_scratch(1, need);

@@ -193,6 +193,7 @@ void *kq_scratch(int slot, size_t bytes) {
     static __thread void *buf[4];
     static __thread size_t cap[4];
     if (slot < 0 || slot >= 4) return NULL;
+    if (bytes == 0) bytes = 1; /* NULL means only a failed allocation, never an empty request */
     if (bytes > cap[slot]) {
         free(buf[slot]);
         buf[slot] = malloc(bytes);
