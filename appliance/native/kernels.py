@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import operator
 import os
 
 import numpy as np
@@ -132,16 +133,26 @@ def _check(rc: int, what: str) -> None:
         raise ValueError(f"{what}: the native library refused the arguments ({rc})")
 
 
-def _f32(x: np.ndarray) -> np.ndarray:
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if x.ndim != 2:
-        raise ValueError("expected a 2-D float32 array (T, n)")
+def _f32(x: np.ndarray, ndim: int = 2, dtype=np.float32) -> np.ndarray:
+    """x as a contiguous float32 (or dtype) array of ndim dimensions, converted from any real dtype."""
+    x = np.asarray(x)
+    if x.dtype.kind not in "fiub":
+        raise TypeError(f"expected a real-valued array, got {x.dtype}")
+    x = np.ascontiguousarray(x, dtype=dtype)
+    if x.ndim != max(ndim, 1):  # (ascontiguousarray makes a 0-d array 1-d)
+        raise ValueError(f"expected a {ndim}-D array, got shape {x.shape}")
+    return x
+
+
+def _whole_blocks(x: np.ndarray, bs: int) -> np.ndarray:
+    if x.shape[1] % bs:
+        raise ValueError(f"row length {x.shape[1]} is not a multiple of the block size {bs}")
     return x
 
 
 def quantize_q8_32(x: np.ndarray) -> np.ndarray:
     from .twins import ACT32
-    x = _f32(x)
+    x = _whole_blocks(_f32(x), 32)
     out = np.empty((x.shape[0], x.shape[1] // 32), ACT32)
     _lib.kq_quantize_q8_32(_ptr(x), x.shape[0], x.shape[1], _ptr(out))
     return out
@@ -149,7 +160,7 @@ def quantize_q8_32(x: np.ndarray) -> np.ndarray:
 
 def quantize_q8_K(x: np.ndarray) -> np.ndarray:
     from .twins import ACT256
-    x = _f32(x)
+    x = _whole_blocks(_f32(x), 256)
     out = np.empty((x.shape[0], x.shape[1] // 256), ACT256)
     _lib.kq_quantize_q8_K(_ptr(x), x.shape[0], x.shape[1], _ptr(out))
     return out
@@ -157,8 +168,10 @@ def quantize_q8_K(x: np.ndarray) -> np.ndarray:
 
 def _rows(qtype: QType, w: np.ndarray) -> tuple[np.ndarray, int]:
     """w as (rows, row_bytes) uint8 and the logical row length n."""
-    w = np.ascontiguousarray(w).view(np.uint8)
-    w = w.reshape(w.shape[0], -1)
+    w = np.ascontiguousarray(w)
+    if w.ndim < 2:
+        raise ValueError(f"{qtype.name} weights must be rows (rows, row_bytes), got shape {w.shape}")
+    w = w.reshape(w.shape[0], int(np.prod(w.shape[1:]))).view(np.uint8)  # (rows, row_bytes), also of no rows
     bs, nbytes = BLOCK[qtype]
     n = w.shape[1] // nbytes * bs
     if row_bytes(qtype, n) != w.shape[1]:
@@ -170,18 +183,23 @@ def dequantize(qtype, w: np.ndarray) -> np.ndarray:
     qtype = QType(int(qtype))
     w, n = _rows(qtype, w)
     out = np.empty((w.shape[0], n), np.float32)
-    _check(_lib.kq_dequantize(int(qtype), _ptr(w), w.shape[0], n, _ptr(out)), "dequantize")
+    if out.size:
+        _check(_lib.kq_dequantize(int(qtype), _ptr(w), w.shape[0], n, _ptr(out)), "dequantize")
     return out
 
 
 def get_rows(qtype, w: np.ndarray, ids: np.ndarray) -> np.ndarray:
     qtype = QType(int(qtype))
     w, n = _rows(qtype, w)
+    ids = np.asarray(ids)
+    if ids.size and ids.dtype.kind not in "iu":
+        raise TypeError(f"row ids must be integers, got {ids.dtype}")
     ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
     if ids.size and (ids.min() < 0 or ids.max() >= w.shape[0]):
         raise IndexError("row id out of range")
     out = np.empty((ids.size, n), np.float32)
-    _check(_lib.kq_get_rows(int(qtype), _ptr(w), n, _ptr(ids), ids.size, _ptr(out)), "get_rows")
+    if out.size:
+        _check(_lib.kq_get_rows(int(qtype), _ptr(w), n, _ptr(ids), ids.size, _ptr(out)), "get_rows")
     return out
 
 
@@ -191,10 +209,15 @@ def matmul(qtype, w: np.ndarray, x: np.ndarray) -> np.ndarray:
     x = _f32(x)
     if x.shape[1] != n:
         raise ValueError(f"input width {x.shape[1]} != weight width {n}")
-    out = np.empty((x.shape[0], w.shape[0]), np.float32)
-    if x.shape[0] and w.shape[0]:
+    out = _product_out(x.shape[0], w.shape[0], n)
+    if out.size and n:
         _check(_lib.kq_matmul(int(qtype), _ptr(w), w.shape[0], n, _ptr(x), x.shape[0], _ptr(out)), "matmul")
     return out
+
+
+def _product_out(T: int, rows: int, n: int) -> np.ndarray:
+    """The (T, rows) result of a product over n: zeros when n = 0 (an empty sum; no C call is made)."""
+    return np.empty((T, rows), np.float32) if n else np.zeros((T, rows), np.float32)
 
 
 X8 = 0x100  # qtype flag of the x8 layout (src/repack.c)
@@ -209,54 +232,71 @@ def repack_x8(qtype, w: np.ndarray) -> np.ndarray:
     if qtype not in X8_TYPES:
         raise ValueError(f"{qtype.name} has no x8 layout")
     out = np.empty(((w.shape[0] + 7) // 8, x8_row_bytes(qtype, n)), np.uint8)
-    _check(_lib.kq_repack_x8(int(qtype), _ptr(w), w.shape[0], n, _ptr(out)), "repack_x8")
+    if out.size:
+        _check(_lib.kq_repack_x8(int(qtype), _ptr(w), w.shape[0], n, _ptr(out)), "repack_x8")
     return out
 
 
 def x8_row_bytes(qtype: QType, n: int) -> int:
     """Bytes of one group of 8 rows of length n in the x8 layout."""
-    return n // 256 * 1184 if qtype == QType.Q4_K else row_bytes(qtype, n) * 8
+    return row_bytes(qtype, n) // 144 * 1184 if qtype == QType.Q4_K else row_bytes(qtype, n) * 8
 
 
 def matmul_x8(qtype, w8: np.ndarray, rows: int, x: np.ndarray) -> np.ndarray:
+    from .twins import X8_TYPES
     qtype = QType(int(qtype))
+    if qtype not in X8_TYPES:
+        raise ValueError(f"{qtype.name} has no x8 layout")
     x = _f32(x)
-    n = x.shape[1]
-    if w8.shape != ((rows + 7) // 8, x8_row_bytes(qtype, n)) or not w8.flags.c_contiguous:
-        raise ValueError("x8 weights do not match rows and input width")
-    out = np.empty((x.shape[0], rows), np.float32)
-    if x.shape[0] and rows:
+    n, rows = x.shape[1], operator.index(rows)
+    if rows < 0 or not isinstance(w8, np.ndarray) or w8.dtype != np.uint8 or not w8.flags.c_contiguous \
+            or w8.shape != ((rows + 7) // 8, x8_row_bytes(qtype, n)):
+        raise ValueError("x8 weights do not match rows and input width (a contiguous uint8 repack_x8 result)")
+    out = _product_out(x.shape[0], rows, n)
+    if out.size and n:
         _check(_lib.kq_matmul(int(qtype) | X8, _ptr(w8), rows, n, _ptr(x), x.shape[0], _ptr(out)), "matmul_x8")
     return out
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    x = _f32(x)
-    w = np.ascontiguousarray(w, dtype=np.float32)
+    x, w = _f32(x), _f32(w, 1)
+    if w.shape != (x.shape[1],):
+        raise ValueError(f"rms_norm weight of shape {w.shape} does not match the input width {x.shape[1]}")
     out = np.empty_like(x)
     _lib.kq_rms_norm(_ptr(x), _ptr(w), x.shape[0], x.shape[1], float(eps), _ptr(out))
     return out
 
 
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    out = np.array(x, dtype=np.float32, order="C")  # (T, nh, hd), rotated in place
-    cos, sin = (np.ascontiguousarray(a, dtype=np.float32) for a in (cos, sin))
-    _lib.kq_rope(_ptr(out), *out.shape, _ptr(cos), _ptr(sin))
+    out = np.array(_f32(x, 3), order="C")  # (T, nh, hd), a copy rotated in place
+    cos, sin = _f32(cos), _f32(sin)  # (T, hd/2)
+    T, nh, hd = out.shape
+    if hd % 2 or cos.shape != (T, hd // 2) or sin.shape != cos.shape:
+        raise ValueError(f"rope needs an even head size and cos/sin of shape ({T}, hd/2); got x {out.shape}, "
+                         f"cos {cos.shape}, sin {sin.shape}")
+    _lib.kq_rope(_ptr(out), T, nh, hd, _ptr(cos), _ptr(sin))
     return out
 
 
 def swiglu(g: np.ndarray, u: np.ndarray) -> np.ndarray:
-    g, u = (np.ascontiguousarray(a, dtype=np.float32) for a in (g, u))
+    g, u = (_f32(a, np.ndim(a)) for a in (g, u))
+    if g.shape != u.shape:
+        raise ValueError(f"swiglu operands differ in shape: {g.shape} and {u.shape}")
     out = np.empty_like(g)
     _lib.kq_swiglu(_ptr(g), _ptr(u), g.size, _ptr(out))
     return out
 
 
 def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, S: int) -> np.ndarray:
-    q = np.ascontiguousarray(q, dtype=np.float32)  # (T, H, hd)
+    q = _f32(q, 3)  # (T, H, hd)
+    k_cache, v_cache = np.asarray(k_cache), np.asarray(v_cache)
     kv = np.float16 if k_cache.dtype == np.float16 and v_cache.dtype == np.float16 else np.float32
-    k_cache, v_cache = (np.ascontiguousarray(a, dtype=kv) for a in (k_cache, v_cache))  # read as stored
-    T, H, hd = q.shape
+    k_cache, v_cache = (_f32(a, 3, kv) for a in (k_cache, v_cache))  # read as stored
+    T, H, hd = q.shape  # caches (KV, max_len, hd)
+    KV, S = k_cache.shape[0], operator.index(S)
+    if v_cache.shape != k_cache.shape or k_cache.shape[2] != hd or not 0 < KV <= H or H % KV or hd < 1:
+        raise ValueError(f"attention needs caches (KV, max_len, {hd}) with KV dividing {H} heads; got "
+                         f"{k_cache.shape} and {v_cache.shape}")
     if not 0 < T <= S <= k_cache.shape[1]:
         raise ValueError("attention needs 0 < T <= S <= cache length")
     out = np.empty_like(q)
@@ -267,7 +307,7 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, S: int) -
 
 def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float = 1e-6) -> np.ndarray:
     x = _f32(x)  # (T, n)
-    w, b = (np.ascontiguousarray(a, dtype=np.float32) for a in (w, b))
+    w, b = (_f32(a, 1) for a in (w, b))
     if w.shape != (x.shape[1],) or b.shape != w.shape:
         raise ValueError("layer_norm weight/bias do not match the input width")
     out = np.empty_like(x)
@@ -276,7 +316,7 @@ def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float = 1e-6) -
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
-    x = np.ascontiguousarray(x, dtype=np.float32)
+    x = _f32(x, np.ndim(x))
     out = np.empty_like(x)
     _lib.kq_gelu_tanh(_ptr(x), x.size, _ptr(out))
     return out
@@ -284,11 +324,13 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
 
 def self_attention(qkv: np.ndarray, heads: int, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """Bidirectional attention over one image: qkv (N, 3*hidden) with 2D RoPE cos/sin (N, hd/2) -> (N, hidden)."""
-    qkv = _f32(qkv)
+    qkv, heads = _f32(qkv), operator.index(heads)
+    if heads < 1:
+        raise ValueError(f"self_attention needs at least one head, got {heads}")
     n, hd = qkv.shape[0], qkv.shape[1] // (3 * heads)
     if qkv.shape[1] != 3 * heads * hd or hd % 2:
         raise ValueError("qkv width is not 3 * heads * an even head size")
-    cos, sin = (np.ascontiguousarray(a, dtype=np.float32) for a in (cos, sin))
+    cos, sin = _f32(cos), _f32(sin)
     if cos.shape != (n, hd // 2) or sin.shape != cos.shape:
         raise ValueError("cos/sin must be (N, head_dim/2)")
     out = np.empty((n, heads * hd), np.float32)
@@ -298,15 +340,25 @@ def self_attention(qkv: np.ndarray, heads: int, cos: np.ndarray, sin: np.ndarray
 
 def bound_matmul(qtype, w: np.ndarray, x8: np.ndarray | None = None):
     """matmul with the weight fixed: returns f(x) for contiguous float32 x (T, n) -> (T, rows), with the
-    per-call argument checks done once (decode calls this a few hundred times per token). With x8 (the
-    repack_x8 of w) the x8 kernels run."""
+    weight's checks done once (decode calls this a few hundred times per token; a call checks only x's type,
+    shape and layout, and converts nothing). With x8 (the repack_x8 of w) the x8 kernels run."""
     qtype = QType(int(qtype))
     w, n = _rows(qtype, w)
     rows, wp, q, f = w.shape[0], w.ctypes.data, int(qtype), _lib.kq_matmul
     if x8 is not None:
+        from .twins import X8_TYPES
+        if qtype not in X8_TYPES or not isinstance(x8, np.ndarray) or x8.dtype != np.uint8 \
+                or not x8.flags.c_contiguous or x8.shape != ((rows + 7) // 8, x8_row_bytes(qtype, n)):
+            raise ValueError("x8 weights do not match the rows (a contiguous uint8 repack_x8 result)")
         w, wp, q = x8, x8.ctypes.data, int(qtype) | X8
+    empty = not (rows and n)  # no C call: an empty result, or sums over nothing (0)
+    f32 = np.dtype(np.float32)
 
     def call(x: np.ndarray, _keep=w) -> np.ndarray:  # _keep: the array under wp lives as long as this function
+        if type(x) is not np.ndarray or x.dtype != f32 or x.ndim != 2 or x.shape[1] != n or not x.flags.c_contiguous:
+            raise ValueError(f"expected a contiguous float32 array (T, {n}), got {getattr(x, 'shape', type(x))}")
+        if empty or not x.shape[0]:
+            return np.zeros((x.shape[0], rows), np.float32)
         out = np.empty((x.shape[0], rows), np.float32)
         rc = f(q, wp, rows, n, x.ctypes.data, x.shape[0], out.ctypes.data)
         if rc:
@@ -325,8 +377,11 @@ class MoEFFN:
     got. Twin: ops_numpy.moe_ffn."""
 
     def __init__(self, router: np.ndarray, top_k: int, norm_topk: bool, gate, up, down):
-        self.router = np.ascontiguousarray(router, dtype=np.float32)  # (E, hidden)
+        self.router = _f32(router)  # (E, hidden)
         E, D = self.router.shape
+        top_k = operator.index(top_k)
+        if not 0 < top_k <= E:
+            raise ValueError("top_k must be in 1..n_experts")
         self._keep = [self.router]
         ptrs, shapes = [], []
         for qtype, mats in (gate, up, down):
@@ -341,14 +396,13 @@ class MoEFFN:
             self._keep += rows
             ptrs.append((_P * E)(*[w.ctypes.data for w in rows]))
         I = shapes[0][0]
-        if any(sh != (I, D) for sh in shapes[:2 * E]) or any(sh != (D, I) for sh in shapes[2 * E:]):
-            raise ValueError("expert matrices do not all have the shapes (inter, hidden) / (hidden, inter)")
-        if not 0 < top_k <= E:
-            raise ValueError("top_k must be in 1..n_experts")
+        if any(sh != (I, D) for sh in shapes[:2 * E]) or any(sh != (D, I) for sh in shapes[2 * E:]) or not (I and D):
+            raise ValueError("expert matrices do not all have the shapes (inter, hidden) / (hidden, inter), "
+                             "both positive")
         self.counts = np.zeros(E, np.int32)
         self.shape = (E, D, I)
         self._ptrs = ptrs
-        self._c = abi.MoE(E, int(top_k), D, I, int(bool(norm_topk)), int(gate[0]), int(up[0]), int(down[0]),
+        self._c = abi.MoE(E, top_k, D, I, int(bool(norm_topk)), int(gate[0]), int(up[0]), int(down[0]),
                        self.router.ctypes.data, ctypes.addressof(ptrs[0]), ctypes.addressof(ptrs[1]),
                        ctypes.addressof(ptrs[2]), self.counts.ctypes.data)
 
