@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import kernels
+from .qtypes import QType, row_bytes
 from .abi import LINEARS as _LINEARS, VECTORS as _VECTORS, Layer as _Layer, Linear as _Linear, Model as _Model
 
 _P = ctypes.c_void_p
@@ -38,7 +39,7 @@ class DecoderDims:
 
 class NativeDecoder:
     def __init__(self, dims: DecoderDims, layers: list[dict]):
-        c = dims
+        c = self.dims = dims
         self._keep: list[np.ndarray] = []
         arr = (_Layer * len(layers))()
         self._moe = []  # (bound experts, on_counts(counts, tokens)): called after each forward
@@ -87,9 +88,19 @@ class NativeDecoder:
             if any(spec.get(n) is None for n in needed) or any(spec[n + "_shape"] != want[n] for n in needed):
                 return None
             if (spec.get("q_norm") is None) != (spec.get("k_norm") is None) \
-                    or (spec.get("q_bias") is None) != (spec.get("k_bias") is None):
+                    or (spec.get("q_bias") is None) != (spec.get("k_bias") is None) \
+                    or (spec.get("q_bias") is None) != (spec.get("v_bias") is None):
                 return None
+            _check_sizes(dims, spec, needed)
         return cls(dims, layers)
+
+    def _check_cache(self, cache) -> None:
+        """The C side writes layer l's keys/values at (j * max_len + pos) * head_dim: every array must be
+        (n_kv, max_len, head_dim), one per layer."""
+        c, want = self.dims, (self.dims.n_kv, cache.max_len, self.dims.head_dim)
+        if len(cache.k) != c.n_layers or len(cache.v) != c.n_layers \
+                or any(a.shape != want for a in (*cache.k, *cache.v)):
+            raise ValueError(f"the native decoder needs {c.n_layers} KV cache arrays of shape {want} per side")
 
     def serves(self, cache) -> bool:
         """Whether this cache is one the C side writes: float32 or float16, contiguous (n_kv, max_len, head_dim)."""
@@ -105,6 +116,7 @@ class NativeDecoder:
         if entry is None or len(entry[2]) != len(arrays) or any(a is not b for a, b in zip(entry[2], arrays)):
             if not self.serves(cache):
                 raise ValueError("the native decoder needs float32 or float16 contiguous KV caches")
+            self._check_cache(cache)
             n = len(cache.k)
             entry = ((_P * n)(*[a.ctypes.data for a in cache.k]), (_P * n)(*[a.ctypes.data for a in cache.v]), arrays)
             self._caches[cache] = entry
@@ -119,8 +131,13 @@ class NativeDecoder:
         h = np.array(h, dtype=np.float32, order="C")  # updated in place by C
         cos, sin = (np.ascontiguousarray(a, dtype=np.float32) for a in (cos, sin))
         T = h.shape[0]
+        if h.shape != (T, self.dims.hidden) or cos.shape != (T, self.dims.head_dim // 2) or sin.shape != cos.shape:
+            raise ValueError(f"forward_layers needs h (T, {self.dims.hidden}) and cos/sin (T, "
+                             f"{self.dims.head_dim // 2}); got {h.shape}, {cos.shape}, {sin.shape}")
         if cache.length + T > cache.max_len:  # the engine checks first; this guards the C writes
             raise ValueError(f"context length {cache.max_len} exceeded")
+        if T == 0:
+            return h
         kp, vp = self._cache_ptrs(cache)
         f16 = int(cache.k[0].dtype == np.float16)
         if layer_done is None and after_layer is None:
@@ -145,3 +162,26 @@ class NativeDecoder:
         for ffn, on_counts in self._moe:  # each MoE layer ran once over the T tokens
             on_counts(ffn.counts, T)
         return h
+
+
+def _check_sizes(dims: DecoderDims, spec: dict, linears) -> None:
+    """The C side reads every weight and vector whole at the model's sizes: a short array would be read past
+    its end, so a spec whose data does not fill its shape is refused (ValueError)."""
+    hd, H, KV, D = dims.head_dim, dims.n_heads, dims.n_kv, dims.hidden
+    if not (D > 0 and hd > 0 and hd % 2 == 0 and 0 < KV <= H and H % KV == 0):
+        raise ValueError(f"decoder sizes not served: {dims}")
+    for name in linears:
+        qtype, data = spec[name]
+        rows, n = spec[name + "_shape"]
+        q = QType(int(qtype) & ~kernels.X8)
+        need = ((rows + 7) // 8 * kernels.x8_row_bytes(q, n)) if int(qtype) & kernels.X8 else rows * row_bytes(q, n)
+        if data.nbytes != need or not data.flags.c_contiguous:
+            raise ValueError(f"{name}: {q.name} ({rows}, {n}) needs {need} contiguous bytes, got {data.nbytes}")
+    lengths = {"attn_norm": D, "mlp_norm": D, "q_norm": hd, "k_norm": hd, "q_bias": H * hd, "k_bias": KV * hd,
+               "v_bias": KV * hd}
+    for name, n in lengths.items():
+        v = spec.get(name)
+        if v is None and name in ("attn_norm", "mlp_norm"):
+            raise ValueError(f"{name} is required")
+        if v is not None and np.size(v) != n:
+            raise ValueError(f"{name} has {np.size(v)} values, the model needs {n}")
