@@ -142,9 +142,13 @@ void kq_kernels_neondot(kq_kernels *k);
 #define KQ_CLONES
 #endif
 
-/* exp(x) for the softmax and SiLU: Cephes' expf polynomial (about 1 ulp), written so loops vectorize */
+/* exp(x) for the softmax and SiLU: Cephes' expf polynomial (about 1 ulp), written so loops vectorize. The clamp
+ * sends NaN to the low end (the float -> int conversion below is undefined for NaN: UBSan's "left shift of
+ * negative value"); the result is NaN again for a NaN x, like expf. */
 static inline float kq_expf(float x) {
-    x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
+    const float xin = x;
+    x = x > -87.3f ? x : -87.3f;
+    x = x < 88.7f ? x : 88.7f;
     float k = __builtin_rintf(x * 1.44269504088896341f);
     float r = (x - k * 0.693359375f) - k * -2.12194440e-4f;
     float y = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r +
@@ -153,7 +157,7 @@ static inline float kq_expf(float x) {
     int32_t e = ((int32_t)k + 127) << 23;
     float sc;
     memcpy(&sc, &e, 4);
-    return y * sc;
+    return xin != xin ? xin : y * sc;
 }
 
 /* Softmax pieces (vision and decoder attention): the max of p[0..n), and p[i] = exp(p[i] - mx) returning their
