@@ -18,18 +18,23 @@
 #define VLDX(p) _mm256_loadu_ps(p)
 #define VSTX(p, v) _mm256_storeu_ps((p), (v))
 #define VFMA(a, w, x) _mm256_fmadd_ps((w), (x), (a))
-#define VHSUM(v) hsum8_avx2(v)
+#define VHSUM4(o, a, b, c, d) fsum4_avx2((o), (a), (b), (c), (d))
 #define WLD_F32(p) _mm256_loadu_ps((const float *)(p))
 #define WLD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define WLD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define VSET1(f) _mm256_set1_ps(f)
 #define PVR 3 /* 12 accumulators + 3 broadcasts + 1 value vector */
 #define PVC 4
-static inline float hsum8_avx2(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+/* o[0..3] = lane sums of a, b, c, d, each paired as (l0 + l4) + (l2 + l6) + ((l1 + l5) + (l3 + l7)): halves, then
+ * lanes two apart, then neighbours, the four vectors transposed in registers as they shrink (13 operations) */
+static inline void fsum4_avx2(float *o, __m256 a, __m256 b, __m256 c, __m256 d) {
+    __m256 ac = _mm256_add_ps(_mm256_permute2f128_ps(a, c, 0x20), _mm256_permute2f128_ps(a, c, 0x31)); /* [a | c] */
+    __m256 bd = _mm256_add_ps(_mm256_permute2f128_ps(b, d, 0x20), _mm256_permute2f128_ps(b, d, 0x31));
+    __m256 s = _mm256_add_ps(_mm256_shuffle_ps(ac, bd, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(ac, bd, _MM_SHUFFLE(3, 2, 3, 2))); /* [a a b b | c c d d] */
+    s = _mm256_add_ps(_mm256_shuffle_ps(s, s, _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(s, s, _MM_SHUFFLE(3, 1, 3, 1)));
+    __m128d lo = _mm_castps_pd(_mm256_castps256_ps128(s)), hi = _mm_castps_pd(_mm256_extractf128_ps(s, 1));
+    _mm_storeu_ps(o, _mm_castpd_ps(_mm_unpacklo_pd(lo, hi))); /* [a b a b], [c d c d] -> [a b c d] */
 }
 #include "matmul_x86.inc"
 #include "matmul_float_end.inc"
@@ -55,13 +60,24 @@ static inline float hsum8_avx2(__m256 v) {
 #define VLDX(p) _mm512_loadu_ps(p)
 #define VSTX(p, v) _mm512_storeu_ps((p), (v))
 #define VFMA(a, w, x) _mm512_fmadd_ps((w), (x), (a))
-#define VHSUM(v) _mm512_reduce_add_ps(v)
+#define VHSUM4(o, a, b, c, d) fsum4_avx512((o), (a), (b), (c), (d))
 #define WLD_F32(p) _mm512_loadu_ps((const float *)(p))
 #define WLD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define WLD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #define VSET1(f) _mm512_set1_ps(f)
 #define PVR 6 /* 24 accumulators + 6 broadcasts + 1 value vector */
 #define PVC 4
+/* o[0..3] = lane sums of a, b, c, d, paired like _mm512_reduce_add_ps (256-bit halves, 128-bit quarters, lanes two
+ * apart, neighbours), the four vectors transposed in registers as they shrink (14 operations for four sums) */
+static inline void fsum4_avx512(float *o, __m512 a, __m512 b, __m512 c, __m512 d) {
+    __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee)); /* [a a b b] */
+    __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xee));
+    __m512 z = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xdd)); /* [a b c d] */
+    z = _mm512_add_ps(z, _mm512_shuffle_ps(z, z, _MM_SHUFFLE(1, 0, 3, 2)));
+    z = _mm512_add_ps(z, _mm512_shuffle_ps(z, z, _MM_SHUFFLE(2, 3, 0, 1)));
+    __m512i first = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0); /* lane 0 of each quarter */
+    _mm_storeu_ps(o, _mm512_castps512_ps128(_mm512_permutexvar_ps(first, z)));
+}
 #include "matmul_x86.inc"
 #include "matmul_float_end.inc"
 #define NC 8 /* 32 vector registers: 8 columns per pass over the weights */
