@@ -213,7 +213,9 @@ static void detect_now(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
         level_max = KQ_SIMD;
-        if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")) level_max = KQ_SIMD_DOT;
+        if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+            __builtin_cpu_supports("avx512bw"))
+            level_max = KQ_SIMD_DOT;
     }
 #elif defined(__aarch64__)
     level_max = KQ_SIMD;

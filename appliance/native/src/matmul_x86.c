@@ -48,8 +48,9 @@ static inline void fsum4_avx2(float *o, __m256 a, __m256 b, __m256 c, __m256 d) 
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
 #define SFX(n) n##_avx2vnni
+#define KQ_VEC512 1 /* decode columns of Q8_0 / Q4_0 on 512-bit vectors (matmul_x86_vec512.inc) */
 #define Q8_BIASED 1 /* vpdpbusd sums in 32 bits: (w + 128) . y - 128 sum(y) */
 #define DOT(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
 #define DOTS(acc, u, s, s16, s32) _mm256_add_epi32((acc), _mm256_mullo_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (s)), (s32)))
@@ -87,5 +88,6 @@ static inline void fsum4_avx512(float *o, __m512 a, __m512 b, __m512 c, __m512 d
 #undef DOT
 #undef DOTS
 #undef Q8_BIASED
+#undef KQ_VEC512
 #pragma GCC pop_options
 #endif
