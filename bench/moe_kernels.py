@@ -128,16 +128,29 @@ def main(argv=None) -> int:
             return lambda i: lib.kq_matmul(int(q) | kernels.X8, x8s[i % len(x8s)].ctypes.data, I, D,
                                            x1.ctypes.data, 1, o1.ctypes.data)
 
+        head = None
+        if "head" in a.what:  # the output matrix (151936, 2048) in the x8 layout: the largest read of a decode step
+            from appliance.engine.load.gguf import open_gguf
+
+            t = next(t for t in open_gguf(path).tensors if t.name == "output.weight")
+            raw = t.data.view(np.uint8).reshape(int(t.shape[1]), -1)
+            head = (raw.shape[0], kernels.repack_x8(q, raw))
+            xo = np.empty((1, head[0]), np.float32)
+
+        def head_x8(lib):
+            return lambda i: lib.kq_matmul(int(q) | kernels.X8, head[1].ctypes.data, head[0], D, x1.ctypes.data, 1,
+                                           xo.ctypes.data)
+
         per_call = {"moe": a.tokens * K * 3 * I * rb_gate, "gate": I * rb_gate, "down": D * rb_down,
-                    "x8": I * rb_gate}
-        kinds = {"moe": moe, "gate": gate, "down": down, "x8": x8}
+                    "x8": I * rb_gate, "head": head[1].nbytes if head else 0}
+        kinds = {"moe": moe, "gate": gate, "down": down, "x8": x8, "head": head_x8}
         for n in (int(t) for t in a.threads.split(",")):
             for lib in libs.values():
                 lib.kq_set_threads(n, None, 0)
             # one thread: this thread's CPU time (time the OS gave to others is not counted); two: wall time
             clock = time.thread_time if n == 1 else time.perf_counter
             for what in a.what.split(","):
-                calls = a.calls * (1 if what == "moe" else 8)
+                calls = a.calls * (1 if what == "moe" else 8) // (20 if what == "head" else 1)
                 times = {k: [] for k in names}
                 for r in range(a.rounds):
                     for key in (names if r % 2 == 0 else names[::-1]):
