@@ -135,9 +135,10 @@ void kq_kernels_neondot(kq_kernels *k);
 #endif
 
 #include <string.h>
-/* built for the baseline ISA and, on x86_64, cloned for AVX2 (chosen at load time by the dynamic linker) */
+/* built for the baseline ISA and, on x86_64, cloned for AVX2 and AVX-512 (chosen at load time by the dynamic
+ * linker; no float reassociation, so every clone computes the same numbers) */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(KQ_NO_CLONES) /* no IFUNCs under TSan */
-#define KQ_CLONES __attribute__((target_clones("avx2", "default")))
+#define KQ_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define KQ_CLONES
 #endif
