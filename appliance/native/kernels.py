@@ -16,7 +16,8 @@ import os
 import numpy as np
 
 from . import abi, cpu_topology
-from .qtypes import BLOCK, QType, row_bytes
+from .args import product_out as _product_out, real_array as _f32, weight_rows as _rows, whole_blocks as _whole_blocks
+from .qtypes import QType, row_bytes
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _P = ctypes.c_void_p
@@ -133,23 +134,6 @@ def _check(rc: int, what: str) -> None:
         raise ValueError(f"{what}: the native library refused the arguments ({rc})")
 
 
-def _f32(x: np.ndarray, ndim: int = 2, dtype=np.float32) -> np.ndarray:
-    """x as a contiguous float32 (or dtype) array of ndim dimensions, converted from any real dtype."""
-    x = np.asarray(x)
-    if x.dtype.kind not in "fiub":
-        raise TypeError(f"expected a real-valued array, got {x.dtype}")
-    x = np.ascontiguousarray(x, dtype=dtype)
-    if x.ndim != max(ndim, 1):  # (ascontiguousarray makes a 0-d array 1-d)
-        raise ValueError(f"expected a {ndim}-D array, got shape {x.shape}")
-    return x
-
-
-def _whole_blocks(x: np.ndarray, bs: int) -> np.ndarray:
-    if x.shape[1] % bs:
-        raise ValueError(f"row length {x.shape[1]} is not a multiple of the block size {bs}")
-    return x
-
-
 def quantize_q8_32(x: np.ndarray) -> np.ndarray:
     from .twins import ACT32
     x = _whole_blocks(_f32(x), 32)
@@ -164,19 +148,6 @@ def quantize_q8_K(x: np.ndarray) -> np.ndarray:
     out = np.empty((x.shape[0], x.shape[1] // 256), ACT256)
     _lib.kq_quantize_q8_K(_ptr(x), x.shape[0], x.shape[1], _ptr(out))
     return out
-
-
-def _rows(qtype: QType, w: np.ndarray) -> tuple[np.ndarray, int]:
-    """w as (rows, row_bytes) uint8 and the logical row length n."""
-    w = np.ascontiguousarray(w)
-    if w.ndim < 2:
-        raise ValueError(f"{qtype.name} weights must be rows (rows, row_bytes), got shape {w.shape}")
-    w = w.reshape(w.shape[0], int(np.prod(w.shape[1:]))).view(np.uint8)  # (rows, row_bytes), also of no rows
-    bs, nbytes = BLOCK[qtype]
-    n = w.shape[1] // nbytes * bs
-    if row_bytes(qtype, n) != w.shape[1]:
-        raise ValueError(f"{qtype.name}: {w.shape[1]} bytes per row is not a whole number of blocks")
-    return w, n
 
 
 def dequantize(qtype, w: np.ndarray) -> np.ndarray:
@@ -213,11 +184,6 @@ def matmul(qtype, w: np.ndarray, x: np.ndarray) -> np.ndarray:
     if out.size and n:
         _check(_lib.kq_matmul(int(qtype), _ptr(w), w.shape[0], n, _ptr(x), x.shape[0], _ptr(out)), "matmul")
     return out
-
-
-def _product_out(T: int, rows: int, n: int) -> np.ndarray:
-    """The (T, rows) result of a product over n: zeros when n = 0 (an empty sum; no C call is made)."""
-    return np.empty((T, rows), np.float32) if n else np.zeros((T, rows), np.float32)
 
 
 X8 = 0x100  # qtype flag of the x8 layout (src/repack.c)
