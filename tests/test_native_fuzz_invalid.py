@@ -184,6 +184,21 @@ def test_invalid_arguments_raise_clear_errors(cases, data, machine, seed):
     still_correct(rng)
 
 
+@fuzz(20)
+@given(n=st.integers(-3, 70), cpus=st.one_of(st.none(), st.lists(st.integers(-3, 5000), max_size=70)), seed=SEEDS)
+def test_pool_sizes_and_pins_are_clamped(n, cpus, seed):
+    """Any thread count is clamped to 1..64 and any CPU list (ids past the CPU set, negative) pins what it can;
+    the pool still computes right. The caller's own affinity (pinned as thread 0) is restored after."""
+    mask = os.sched_getaffinity(0)
+    try:
+        got = kernels.set_threads(n, cpus)
+        assert got == kernels.get_threads() and 1 <= got <= min(max(n, 1), 64)
+        still_correct(np.random.default_rng(seed))
+    finally:
+        kernels.set_threads(1)
+        os.sched_setaffinity(0, mask)
+
+
 def sprinkle(draw, rng, x: np.ndarray, values=(np.nan, np.inf, -np.inf, 3e38, -3e38)) -> np.ndarray:
     """x with NaN, +inf, -inf or huge values at drawn places."""
     x = x.copy()
