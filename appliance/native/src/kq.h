@@ -161,8 +161,8 @@ static inline float kq_expf(float x) {
     return xin != xin ? xin : y * sc;
 }
 
-/* Softmax pieces (vision and decoder attention): the max of p[0..n), and p[i] = exp(p[i] - mx) returning their
- * sum; 16 lanes (then the tail, then the lanes), so the reductions vectorize. */
+/* Softmax pieces (vision and decoder attention): the max of p[0..n), and p[i] = exp(p[i] (* scale) - mx) returning
+ * their sum; 16 lanes (then the tail, then the lanes), so the reductions vectorize. */
 static inline float kq_max(const float *p, int64_t n) {
     float m16[16], mx = -__builtin_inff();
     for (int j = 0; j < 16; j++) m16[j] = -__builtin_inff();
@@ -174,16 +174,18 @@ static inline float kq_max(const float *p, int64_t n) {
     return mx;
 }
 
-static inline float kq_exp_sum(float *p, int64_t n, float mx) {
+static inline float kq_exp_sum_scaled(float *p, int64_t n, float scale, float mx) { /* p[i] = exp(p[i] * scale - mx) */
     float acc[16] = {0}, sum = 0.0f;
     int64_t i;
-    for (i = 0; i < n; i++) p[i] = kq_expf(p[i] - mx);
+    for (i = 0; i < n; i++) p[i] = kq_expf(p[i] * scale - mx);
     for (i = 0; i + 16 <= n; i += 16)
         for (int j = 0; j < 16; j++) acc[j] += p[i + j];
     for (; i < n; i++) sum += p[i];
     for (int j = 0; j < 16; j++) sum += acc[j];
     return sum;
 }
+
+static inline float kq_exp_sum(float *p, int64_t n, float mx) { return kq_exp_sum_scaled(p, n, 1.0f, mx); }
 
 /* Row tiles' weights ahead of their use: rows r .. r+3 (clamped to rows) of a matrix with rb bytes per row into
  * L2. The hardware prefetcher loses track of short rows; matmul and the MoE experts fetch KQ_PF_TILES tiles ahead. */

@@ -115,8 +115,9 @@ KQ_CLONES static void attn_task(void *c_, int64_t a, int64_t b) { /* tasks (kv, 
                 float *p = sc + r * KV_BLOCK, *o = acc + r * hd;
                 n = n < 0 ? 0 : n < m ? n : m;
                 if (n > 0) {
-                    for (int64_t s = 0; s < n; s++) p[s] *= scale;
-                    const float bm = kq_max(p, n), top = s0 == 0 || bm > mx[r] ? bm : mx[r], bs = kq_exp_sum(p, n, top);
+                    /* the scale applied in the exp pass; max(p) * scale == max(p * scale) (rounding is monotonic) */
+                    const float bm = kq_max(p, n) * scale, top = s0 == 0 || bm > mx[r] ? bm : mx[r];
+                    const float bs = kq_exp_sum_scaled(p, n, scale, top);
                     if (s0 == 0) {
                         sum[r] = bs;
                     } else { /* rescale what the earlier blocks gave to the new running max (by 1 if it held) */
