@@ -76,10 +76,11 @@ static void kv_store(void *cache, int f16, int64_t at, const float *x, int64_t h
  * widened in registers); a block's scores for all rows are one multi-token tile product (kq_f32_tiles /
  * kq_f16_tiles) and its values one probability x value tile product (kq_pv_tiles), so prefill reads each block
  * once per task instead of once per (head, token). The softmax is online (running max and sum per row; the
- * accumulated values rescaled when the max grows). A row's result
- * depends only on its query, the cache and its causal limit (blocks start at fixed multiples of KV_BLOCK; a
- * block past the limit is skipped), never on T, the task it falls in or the thread count: chunked prefill,
- * whole prefill and decode agree. */
+ * accumulated values rescaled when the max grows). A row's result depends only on its query, the cache and its
+ * causal limit (blocks start at fixed multiples of KV_BLOCK; a block past the limit is skipped), never on T, the
+ * task it falls in or the thread count: chunked prefill, whole prefill and decode agree. Keys of its block past
+ * a row's limit get probability 0, so a value that overflowed float16 to inf there would make the row NaN
+ * (0 * inf), as in the numpy twin; a cache holding inf has already made the rows that see it inf or NaN. */
 #define KV_BLOCK 256 /* positions per key/value block */
 #define ATT_ROWS 64  /* rows (query head x token) per task at most */
 typedef struct {
