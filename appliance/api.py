@@ -279,8 +279,8 @@ class Api:
     def compile_constraint(self, loaded: Any, req: Any, prompt: str, param: str) -> Any:
         """Worker thread: the compiled constraint of a ChatRequest's output_format (None: unconstrained), letting
         a thinking model think first when its thinking is on; a grammar llguidance refuses is a 400 on `param`
-        with its reason. Bounded by llguidance's limits; the first call also builds the tokenizer's table
-        (3.4 s for Qwen3's 151,936 tokens on the shared x86 test machine, bench/RESULTS.md)."""
+        with its reason. Bounded by llguidance's limits; the tokenizer's table it needs (3.4 s for Qwen3's
+        151,936 tokens on the shared x86 test machine, bench/RESULTS.md) was built while the model loaded."""
         if req.output_format is None:
             return None
         think = think_mode(loaded.tokenizer, prompt_ends_in_reasoning(prompt), req.enable_thinking)

@@ -137,10 +137,15 @@ def load_options(args: argparse.Namespace):
                        max_resident_mib=args.max_resident)
 
 
-def _load(args: argparse.Namespace):
+def _load(args: argparse.Namespace, serving: bool = False):
+    """The model, warmed up; for serving also its structured-output tables (work that holds the GIL, done
+    while /health says loading rather than in the first request that needs them)."""
     from .engine.load import load_model
     loaded = load_model(args.model, load_options(args))
     loaded.engine.warm_up()
+    if serving:
+        from .engine.constraint import build_grammar_tokenizer
+        build_grammar_tokenizer(loaded)
     return loaded
 
 
@@ -199,7 +204,7 @@ async def serve(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
     from .h11_server import HttpServer, ServerConfig
     from .worker import Worker
 
-    worker = Worker(load=lambda: _load(args), queue_limit=args.queue)
+    worker = Worker(load=lambda: _load(args, serving=True), queue_limit=args.queue)
     api = Api(worker, ApiConfig(model_name=model_name(args.model), api_keys=keys,
                                 extension_events=args.extension_events, image_dirs=tuple(args.image_dir),
                                 web=not args.no_web))

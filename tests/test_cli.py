@@ -109,8 +109,8 @@ def start_server(model, *extra) -> tuple[subprocess.Popen, int]:
         if m:
             port = int(m.group(1))
         assert time.monotonic() < deadline
-    while True:  # ready?
-        c = RawClient(port, timeout=10)
+    while True:  # ready? (while the model loads, work that holds the GIL can keep /health waiting for seconds)
+        c = RawClient(port, timeout=60)
         c.send(request_bytes("GET", "/health"))
         r = c.read_head()
         c.read_body(r)

@@ -129,6 +129,12 @@ class BackgroundStream:
         except OSError:  # closed by the test
             pass
 
+    def quiet_window(self, server, seconds: float) -> tuple[list[float], tuple[float, float]]:
+        """Token gaps of `seconds` with nothing else running, and that window on the loop's clock."""
+        q0 = loop_now(server)
+        time.sleep(seconds)
+        return self.gaps_between(0, time.perf_counter()), (q0, loop_now(server))
+
     def times(self) -> list[float]:
         return [t for t, e in list(self.r.events) if e.startswith(b"data: {")]
 
@@ -161,10 +167,7 @@ def test_huge_prompt_does_not_stall_the_loop_or_other_streams(server):
     assert 3_800_000 < len(body) < 4 * 1024 * 1024
     bg = BackgroundStream(server)
     try:
-        q0 = loop_now(server)
-        time.sleep(2.0)
-        quiet = bg.gaps_between(0, time.perf_counter())
-        q1 = loop_now(server)
+        quiet, quiet_window = bg.quiet_window(server, 2.0)
         health = []
 
         def poll_health():
@@ -197,8 +200,40 @@ def test_huge_prompt_does_not_stall_the_loop_or_other_streams(server):
     assert len(results) == 3
     assert_gaps_normal(quiet, attack_gaps)
     assert max(health) < 2.0, health  # a blocked loop held /health for 3.7-4.6 s
-    assert_loop_responsive(server, (q0, q1), (a0, a1))
+    assert_loop_responsive(server, quiet_window, (a0, a1))
     assert mem.growth < 150 * 2**20, f"RSS grew {mem.growth / 2**20:.0f} MB for three 3.9 MB prompts"
+
+
+# ---- structured output: the grammar tokenizer table is built while the model loads ------------------------
+
+def test_first_structured_request_does_not_stall_the_loop(tiny_qwen3_tied):
+    """llguidance's tokenizer table for a 150k vocabulary is seconds of work that holds the GIL (tokenizers'
+    to_str, llguidance's LLTokenizer): built by the first request with a response_format, it stalled the event
+    loop, /health and every other client's stream for 4.5 s (found by the soak's mixed load). The server builds
+    it while the model loads; the first structured request is then as quick for the loop as any other."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    body = chat_body("State?", max_tokens=16,
+                     response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    with LiveServer(tiny_qwen3_tied, queue=1) as server:  # its own tokenizer object: nothing built before it
+        bg = BackgroundStream(server)
+        try:
+            quiet, quiet_window = bg.quiet_window(server, 1.5)
+            results = []
+            client = threading.Thread(target=lambda: results.append(post(server, body)))
+            t0, a0 = time.perf_counter(), loop_now(server)
+            client.start()
+            server.wait_for(lambda: server.worker.waiting == 1, 120, "the structured request to be prepared")
+            t1, a1 = time.perf_counter(), loop_now(server)
+            attack_gaps = bg.gaps_between(t0, t1)
+        finally:
+            bg.close()
+        client.join(60)
+        r, payload = results[0]
+        assert_gaps_normal(quiet, attack_gaps)
+        assert_loop_responsive(server, quiet_window, (a0, a1))
+    assert r.status == 200, payload  # queued behind the stream, served once it was closed
+    choice = json.loads(payload)["choices"][0]
+    assert choice["finish_reason"] == "stop" and json.loads(choice["message"]["content"]) in ({"ok": True}, {"ok": False})
 
 
 # ---- 7: Content-Length with Transfer-Encoding ------------------------------------------------------------

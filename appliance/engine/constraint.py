@@ -4,7 +4,9 @@ Policies:
 - Grammars are llguidance's Lark with inline `%json{...}` (JSON schemas go through its JSON compiler): the
   JSON value, or Hermes tool-call blocks, optionally after a `<think>...</think>` block when thinking is on
   (or after the rest of one the prompt left open), so a thinking model thinks freely, then answers in form. A grammar is compiled once per request, off the event loop, before the request
-  queues; a grammar llguidance refuses is a GrammarError whose message names the part it refuses.
+  queues; a grammar llguidance refuses is a GrammarError whose message names the part it refuses. The
+  tokenizer table every grammar needs is built while the model loads (build_grammar_tokenizer): that work
+  holds the GIL, so no worker thread can do it without stalling the event loop.
 - Bounded work: compile and every mask step run under LLParserLimits (lexer states, grammar size, per-step
   fuel), so no schema can hang the engine or grow its memory without bound.
 - JSON is compact-ish and whitespace-free outside strings (", " and ": " separators): a model cannot loop on
@@ -17,12 +19,16 @@ Policies:
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 import numpy as np
+
+log = logging.getLogger("appliance.constraint")
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -39,25 +45,42 @@ def _limits():
                                      max_grammar_size=200_000, verbose_errors=False)
 
 
-_TOKENIZERS: dict[int, Any] = {}
+_TOKENIZERS: dict[int, Any] = {}       # id(Tokenizer) -> (Tokenizer, LLTokenizer)
+_BY_CONTENT: dict[tuple, Any] = {}     # (SHA-256 of tokenizer.json, vocabulary, EOS ids) -> LLTokenizer
 _TOKENIZERS_LOCK = threading.Lock()
 
 
 def grammar_tokenizer(tokenizer, vocab_size: int, eos_ids: Iterable[int]):
-    """llguidance's tokenizer for our Tokenizer (built once per Tokenizer object, ~1 s for a 150k vocabulary):
-    the model's own tokenizer.json (HF directory or the one built from GGUF metadata), padded to the model's
-    vocabulary and with every end-of-generation id as EOS."""
+    """llguidance's tokenizer for our Tokenizer: the model's own tokenizer.json (HF directory or the one built
+    from GGUF metadata), padded to the model's vocabulary and with every end-of-generation id as EOS. Built once
+    per tokenizer content in a process (3.4 s for Qwen3's 151,936 tokens, holding the GIL: see
+    build_grammar_tokenizer)."""
     import llguidance
 
     key = id(tokenizer)
     with _TOKENIZERS_LOCK:
         entry = _TOKENIZERS.get(key)
         if entry is None or entry[0] is not tokenizer:
-            llt = llguidance.LLTokenizer(tokenizer._tk.to_str(), n_vocab=vocab_size,
-                                         eos_token=sorted(eos_ids) or None)
+            text = tokenizer._tk.to_str()
+            content = (hashlib.sha256(text.encode("utf-8")).digest(), vocab_size, tuple(sorted(eos_ids)))
+            llt = _BY_CONTENT.get(content)
+            if llt is None:
+                llt = _BY_CONTENT[content] = llguidance.LLTokenizer(text, n_vocab=vocab_size,
+                                                                    eos_token=sorted(eos_ids) or None)
             entry = (tokenizer, llt)
             _TOKENIZERS[key] = entry
         return entry[1]
+
+
+def build_grammar_tokenizer(loaded) -> None:
+    """Build a loaded model's grammar tokenizer now. The server does it while the model loads: tokenizers'
+    to_str and llguidance's LLTokenizer hold the GIL for seconds, so built by the first request with an output
+    format it stalled the event loop (/health, every other client's stream) that long. A tokenizer llguidance
+    cannot take does not stop the model from serving: the first structured request meets the error again."""
+    try:
+        grammar_tokenizer(loaded.tokenizer, loaded.engine.model.config.vocab_size, loaded.eos_ids)
+    except Exception as e:  # llguidance's own errors (ValueError, RuntimeError) about this tokenizer
+        log.warning("structured output's tokenizer table could not be built: %s", e)
 
 
 def lark_grammar(lark: str) -> str:

@@ -15,9 +15,17 @@ from dataclasses import dataclass, field
 import trio
 
 from appliance.api import Api, ApiConfig
+from appliance.engine.constraint import build_grammar_tokenizer
 from appliance.engine.load import load_model, model_name
 from appliance.h11_server import HttpServer, ServerConfig
 from appliance.worker import Worker
+
+
+def serving_model(model_dir: str, ctx: int | None, prefill_chunk: int):
+    """The model loaded as the server loads it (cli serve; without the warm-up pass)."""
+    loaded = load_model(model_dir, context_length=ctx, prefill_chunk=prefill_chunk)
+    build_grammar_tokenizer(loaded)
+    return loaded
 
 
 class LiveServer:
@@ -30,7 +38,7 @@ class LiveServer:
                                  extension_events=extension_events, queue_keepalive_s=queue_keepalive_s,
                                  image_dirs=tuple(image_dirs))
         self.server_cfg = ServerConfig(host="127.0.0.1", port=0, **server_cfg)
-        self._load = load or (lambda: load_model(model_dir, context_length=ctx, prefill_chunk=prefill_chunk))
+        self._load = load or (lambda: serving_model(model_dir, ctx, prefill_chunk))
         self._ready = threading.Event()
         self._bound = threading.Event()
         self.wait_ready = wait_ready
