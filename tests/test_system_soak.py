@@ -1,7 +1,8 @@
-"""Part of the `system` tier (scripts/test.sh runs it; alone: `pytest tests/test_system_soak.py`, ~3 min): the
-soak and fuzz scenarios of tests/system/soak.py with small counts against the real server, and SIGTERM under
-load through the real command line. The long versions (1,000 disconnects, 100,000 generated requests, 300
-start/serve/SIGTERM cycles) are the scripts in tests/system/, with their figures in the closing note.
+"""Part of the `system` tier (scripts/test.sh runs it; alone: `pytest tests/test_system_soak.py`, ~4 min): the
+soak and fuzz scenarios of tests/system/soak.py with small counts against the real server, the mixed load with
+images for ~25 s, and SIGTERM under load through the real command line. The long versions (1,000 disconnects,
+100,000 generated requests, 30 minutes of mixed load, 300 start/serve/SIGTERM cycles) are the scripts in
+tests/system/, with their figures in the closing note.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import time
 import pytest
 
 from tests.support.live_server import LiveServer, RawClient, chat_body, request_bytes
-from tests.system import soak
+from tests.support.tiny_vl import cached_qwen3_vl
+from tests.system import mixed_load, soak
 from tests.test_cli import start_server
 
 pytestmark = pytest.mark.system
@@ -39,6 +41,26 @@ def test_generated_requests_get_no_5xx_and_never_hang(server):
     assert r["n_failures"] == 0, r["failures"]
     assert r["requests"] == 1500
     assert soak.served_at_once(server.port) < 5
+
+
+def test_mixed_load_with_images(tmp_path_factory):
+    """25 s of three clients over every API (images up to 2000x2000, streams, structured output, tools, logprobs,
+    disconnects, bursts past --queue 2) against a server process on the tiny Qwen3-VL: every response well formed,
+    /health answering, the idle server's RSS, fds and threads flat, the server answering at the end and exiting
+    0 on SIGTERM (mixed_load.problems lists what failed)."""
+    r = mixed_load.run(cached_qwen3_vl(tmp_path_factory), 25, threads=3, queue=2, pool=6, warmup_s=5,
+                       health_max_s=10.0)  # a blocked loop; a loaded shared machine's scheduler alone adds seconds
+    problems = mixed_load.problems(r)
+    assert not problems, (problems, r["failures"], r["warmup"]["failures"], r["health"], r["by_status"])
+    ran = set(r["by_kind"]) | set(r["warmup"]["by_kind"])
+    for kind in mixed_load.KINDS:  # every kind ran (the warm-up runs each once) and was recorded
+        name = {"chat": "chat/", "completion_logprobs": "completions/", "ollama_chat": "ollama/chat/",
+                "ollama_generate": "ollama/generate", "responses": "responses/", "disconnect": "disconnect/",
+                "burst": "burst", "sdk_openai": "sdk/openai", "sdk_ollama": "sdk/ollama", "structured": "structured",
+                "tools": "tools/"}[kind.__name__]
+        assert any(k.startswith(name) for k in ran), (kind.__name__, ran)
+    assert r["by_status"].get("200", 0) > 0 and r["warmup"]["counts"]["images_sent"] > 0, r  # how many: the CPU's
+    assert r["health"]["polls"] > 0 and r["samples"] > 0, r
 
 
 def test_sigterm_under_load(tiny_qwen3_tied):

@@ -30,9 +30,11 @@ sys.path.insert(0, ROOT)
 from tests.support.live_server import RawClient, chat_body, request_bytes, wait_healthy  # noqa: E402
 
 
-def start(model: str, grace: float, log) -> tuple[subprocess.Popen, int]:
+def start(model: str, grace: float, log, *extra: str) -> tuple[subprocess.Popen, int]:
+    """A server process (`extra`: more command-line options) serving on a free port and ready; its stderr goes
+    to log."""
     proc = subprocess.Popen([sys.executable, "-m", "appliance", "--model", model, "--port", "0", "--grace", str(grace),
-                             "--ctx", "1024", "--log-level", "warning"],
+                             "--ctx", "1024", "--log-level", "warning", *extra],
                             cwd=os.environ.get("KESTREL_CYCLES_CWD", ROOT), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, preexec_fn=allow_core_dumps,
                             env=dict(os.environ, PYTHONPATH=ROOT, PYTHONFAULTHANDLER="1"))

@@ -3,6 +3,7 @@
 test tier (tests/test_system_soak.py runs the same scenarios with small counts):
 
     python tests/system/soak.py [--model DIR_OR_GGUF] [--disconnects 1000] [--requests 100000] [--json out.json]
+                                [--mixed-minutes 30 [--mixed-threads 6] [--mixed-queue 4] [--server-log F]]
 
 - disconnects: random mid-stream disconnects while queued, in prefill and in decode, closed with FIN or RST;
   every 25th round checks that the next request is served at once; RSS, open fds and threads are compared
@@ -10,6 +11,9 @@ test tier (tests/test_system_soak.py runs the same scenarios with small counts):
 - requests: generated HTTP + JSON requests (hypothesis strategies: OpenAI chat/completions bodies with
   valid and invalid fields, plus raw request lines, headers and bodies) against the same server; every one
   must get a well-formed response below 500 within the timeout (no crash, no hang, no 5xx).
+- mixed load (`--mixed-minutes M`; `--disconnects 0 --requests 0` skips the two above): M minutes of concurrent
+  clients over every API with images, disconnects and queue overflows against a server process on the tiny
+  Qwen3-VL checkpoint (tests/system/mixed_load.py).
 Prints one JSON report; exits non-zero on any failure.
 """
 from __future__ import annotations
@@ -213,32 +217,63 @@ def fuzz(port: int, n: int, seed: int = 16) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="model directory or GGUF (default: the tests' tiny Qwen3 checkpoint)")
-    ap.add_argument("--disconnects", type=int, default=1000)
-    ap.add_argument("--requests", type=int, default=100000)
+    ap.add_argument("--disconnects", type=int, default=1000, help="0 skips the disconnect soak")
+    ap.add_argument("--requests", type=int, default=100000, help="0 skips the generated requests")
+    ap.add_argument("--mixed-minutes", type=float, default=0.0,
+                    help="minutes of mixed load with images (tests/system/mixed_load.py; default 0: skipped)")
+    ap.add_argument("--mixed-threads", type=int, default=6, help="concurrent clients of the mixed load")
+    ap.add_argument("--mixed-queue", type=int, default=4, help="the server's --queue under the mixed load")
+    ap.add_argument("--vl-model", help="Qwen3-VL directory for the mixed load (default: the tests' tiny one)")
+    ap.add_argument("--server-log", default=os.devnull, help="the mixed load's server stderr goes here")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    if args.model is None:
-        import tempfile
-
-        from tests.support import tiny_models
-        args.model = tiny_models.build_qwen3(tempfile.mkdtemp(prefix="soak-"), tie=True, kv_heads=1, seed=1)
     t0 = time.monotonic()
-    with LiveServer(args.model, queue=2, prefill_chunk=16) as server:
-        report = {"disconnect_soak": disconnect_soak(server.port, args.disconnects)}
-        report["fuzz"] = fuzz(server.port, args.requests)
-        report["server_alive"] = served_at_once(server.port) < RESPONSE_TIMEOUT_S
-        m = server.api.metric_values()
-        report["metrics"] = {k: m[k] for k in ("kestrel_cancelled_total", "kestrel_queue_abandoned_total",
-                                               "kestrel_event_loop_lag_max_seconds")}
+    report: dict = {}
+    ok = True
+    if args.disconnects or args.requests:
+        ok = soak_in_process(args, report)
+    if args.mixed_minutes:
+        from tests.system import mixed_load
+        if args.vl_model is None:
+            import tempfile
+
+            from tests.support.tiny_vl import build_qwen3_vl
+            args.vl_model = build_qwen3_vl(tempfile.mkdtemp(prefix="soak-vl-"), seed=3)
+        with open(args.server_log, "a") as log:
+            mixed = mixed_load.run(args.vl_model, args.mixed_minutes * 60, threads=args.mixed_threads,
+                                   queue=args.mixed_queue, log=log)
+        mixed["problems"] = mixed_load.problems(mixed)
+        report["mixed_load"] = mixed
+        ok &= not mixed["problems"]
     report["seconds"] = round(time.monotonic() - t0)
     print(json.dumps(report, indent=1, default=str), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=str)
-    d = report["disconnect_soak"]
-    flat = (d["end"]["rss_mb"] - d["start"]["rss_mb"] < 64 and d["end"]["fds"] <= d["start"]["fds"] + 4
-            and d["end"]["threads"] <= d["start"]["threads"] + 4)
-    return 0 if flat and report["fuzz"]["n_failures"] == 0 else 1
+    return 0 if ok else 1
+
+
+def soak_in_process(args, report: dict) -> bool:
+    """The disconnect soak and the generated requests against one in-process server; True when they passed."""
+    if args.model is None:
+        import tempfile
+
+        from tests.support import tiny_models
+        args.model = tiny_models.build_qwen3(tempfile.mkdtemp(prefix="soak-"), tie=True, kv_heads=1, seed=1)
+    ok = True
+    with LiveServer(args.model, queue=2, prefill_chunk=16) as server:
+        if args.disconnects:
+            d = report["disconnect_soak"] = disconnect_soak(server.port, args.disconnects)
+            ok &= (d["end"]["rss_mb"] - d["start"]["rss_mb"] < 64 and d["end"]["fds"] <= d["start"]["fds"] + 4
+                   and d["end"]["threads"] <= d["start"]["threads"] + 4)
+        if args.requests:
+            report["fuzz"] = fuzz(server.port, args.requests)
+            ok &= report["fuzz"]["n_failures"] == 0
+        report["server_alive"] = served_at_once(server.port) < RESPONSE_TIMEOUT_S
+        m = server.api.metric_values()
+        report["metrics"] = {k: m[k] for k in ("kestrel_cancelled_total", "kestrel_queue_abandoned_total",
+                                               "kestrel_event_loop_lag_max_seconds")}
+    return ok
 
 
 if __name__ == "__main__":

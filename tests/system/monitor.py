@@ -1,0 +1,108 @@
+"""Beside a load on a server process: /health and /metrics polls and samples of the process's RSS, fds and
+threads (tests/system/mixed_load.py)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+
+from tests.support.live_server import RawClient, request_bytes
+
+RESPONSE_TIMEOUT_S = 60.0
+HEALTH_PERIOD_S, HEALTH_MAX_S = 0.5, 2.0
+METRICS_PERIOD_S, SAMPLE_PERIOD_S = 5.0, 3.0
+
+
+def get(port: int, path: str) -> tuple[int, bytes]:
+    c = RawClient(port, timeout=RESPONSE_TIMEOUT_S)
+    try:
+        c.send(request_bytes("GET", path))
+        r = c.read_head()
+        return r.status, c.read_body(r)
+    finally:
+        c.close()
+
+
+def usage(pid: int) -> dict:
+    with open(f"/proc/{pid}/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return {"rss_mb": round(rss / 2**20, 1), "fds": len(os.listdir(f"/proc/{pid}/fd")),
+            "threads": len(os.listdir(f"/proc/{pid}/task"))}
+
+
+def metric(text: str, name: str) -> float:
+    m = re.search(rf"^{name} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else float("nan")
+
+
+def server_5xx(text: str) -> dict:
+    """kestrel_requests_total series with a 5xx code."""
+    return {m.group(1): int(float(m.group(3))) for m in re.finditer(
+        r'^kestrel_requests_total\{(endpoint="([^"]*)",code="5\d\d")\} (\S+)$', text, re.M)}
+
+
+class Monitor:
+    """Threads polling /health and /metrics and sampling the server's RSS, fds and threads until stopped."""
+
+    def __init__(self, port: int, pid: int, health_max_s: float = HEALTH_MAX_S):
+        self.port, self.pid, self.health_max_s = port, pid, health_max_s
+        self.stop = threading.Event()
+        self.health: list[float] = []
+        self.health_failures: list = []
+        self.metrics_polls, self.metrics_failures = 0, []
+        self.lag_window_max = 0.0   # worst of kestrel_event_loop_lag_seconds (the last 10-20 s) over the polls
+        self.samples: list[dict] = []
+        self.threads = [threading.Thread(target=f, daemon=True) for f in (self._health, self._metrics, self._sample)]
+
+    def __enter__(self) -> "Monitor":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(RESPONSE_TIMEOUT_S + 5)
+
+    def _health(self) -> None:
+        while not self.stop.wait(HEALTH_PERIOD_S):
+            t0 = time.perf_counter()
+            try:
+                status, body = get(self.port, "/health")
+                dt = time.perf_counter() - t0
+                if status != 200 or json.loads(body)["status"] != "ok" or dt > self.health_max_s:
+                    self.health_failures.append((status, round(dt, 3), body[:200]))
+            except (OSError, ValueError, KeyError) as e:
+                dt = time.perf_counter() - t0
+                self.health_failures.append(("error", round(dt, 3), repr(e)))
+            self.health.append(dt)
+
+    def _metrics(self) -> None:
+        while not self.stop.wait(METRICS_PERIOD_S):
+            try:
+                status, body = get(self.port, "/metrics")
+                self.metrics_polls += 1
+                lag = metric(body.decode(), "kestrel_event_loop_lag_seconds") if status == 200 else float("nan")
+                if lag != lag:  # NaN: no such line
+                    self.metrics_failures.append((status, body[:200]))
+                else:
+                    self.lag_window_max = max(self.lag_window_max, lag)
+            except OSError as e:
+                self.metrics_failures.append(("error", repr(e)))
+
+    def _sample(self) -> None:
+        while not self.stop.wait(SAMPLE_PERIOD_S):
+            self.samples.append(usage(self.pid))
+
+    def summary(self) -> dict:
+        h = sorted(self.health)
+        during = {k: {"first": self.samples[0][k], "last": self.samples[-1][k],
+                      "max": max(s[k] for s in self.samples)} for k in self.samples[0]} if self.samples else {}
+        return {"health": {"polls": len(h), "max_s": round(h[-1], 3) if h else None,
+                           "p99_s": round(h[int(0.99 * (len(h) - 1))], 4) if h else None,
+                           "failures": len(self.health_failures), "first_failures": self.health_failures[:5]},
+                "metrics": {"polls": self.metrics_polls, "failures": self.metrics_failures[:5]},
+                "loop_lag_during_load_max_s": round(self.lag_window_max, 4),
+                "samples": len(self.samples), "during_load": during}
