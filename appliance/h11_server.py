@@ -62,7 +62,7 @@ class PeerGone(Exception):
     """The client closed the connection (or it broke) while we were reading or writing."""
 
 
-def _only(exc: BaseException, kind: type) -> bool:
+def _only(exc: BaseException, kind: type | tuple[type, ...]) -> bool:
     """True when exc is `kind`, or an exception group whose every leaf is."""
     if isinstance(exc, BaseExceptionGroup):
         return all(_only(e, kind) for e in exc.exceptions)
@@ -352,9 +352,14 @@ class _Connection:
                     if not exchange.response_started:
                         await self._send_error(e)
                     return
-                except Exception as e:  # a bug in the application: log it, answer 500 if we still can, close
-                    if _only(e, PeerGone):  # a write failed inside a nursery (grouped by trio)
+                except BaseException as e:
+                    if _only(e, (PeerGone, trio.Cancelled)) and not _only(e, trio.Cancelled):
+                        # a write failed inside a nursery (grouped by trio), maybe beside tasks that the reader's
+                        # cancel of the request reached: the client is gone (a cancel still in force re-raises)
                         return
+                    if not isinstance(e, Exception):
+                        raise
+                    # a bug in the application: log it, answer 500 if we still can, close
                     log.exception("unhandled error in %s %s", exchange.method, exchange.path)
                     if not exchange.response_started:
                         await self._send_error(internal_error())

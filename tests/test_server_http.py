@@ -223,3 +223,50 @@ def test_context_overflow_is_400_before_queueing(server):
                                           chat_body(fits, max_tokens=ctx - n // 2), headers=AUTH))
     assert r.status == 400 and error_of(b)["code"] == "context_length_exceeded"
     assert server.worker.stats.requests_started == started  # refused before anything waited or ran
+
+
+def test_failed_write_beside_cancelled_tasks_closes_the_connection_quietly(caplog):
+    """A stream's write fails (the client reset the connection) inside a nursery whose other task (the
+    keep-alive) the reader's cancel of the request reaches at the same moment: trio groups the PeerGone with a
+    Cancelled, a BaseExceptionGroup that is no Exception. Found by the 1,000-disconnect soak: it escaped the
+    request loop as 'connection failed' with a traceback, skipping the connection's close (its socket was left
+    to the garbage collector). Now it ends the connection like any client that left."""
+    import trio
+
+    from appliance.h11_server import HttpServer, PeerGone, ServerConfig
+
+    async def app(ex):
+        await ex.start_stream(200, [(b"Content-Type", b"text/event-stream")])
+        await ex.send(b"data: 1\n\n")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.sleep_forever)        # the keep-alive task
+            with trio.CancelScope(shield=True):           # the write that is in flight when the client goes
+                while not ex.peer_gone:
+                    await trio.sleep(0.005)
+            raise PeerGone()                              # ... and fails
+
+    closed = []
+
+    async def main():
+        server = HttpServer(ServerConfig(port=0), app)
+        await server.listen()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.serve)
+
+            def client():
+                c = RawClient(server.ports[0], timeout=10)
+                c.send(request_bytes("GET", "/"))
+                r = c.read_head()
+                c.read_events(r, stop_after=1)
+                c.close()
+                deadline = time.monotonic() + 5   # the server drops the connection (its own close, not GC)
+                while server.connections and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                closed.append(not server.connections)
+            await trio.to_thread.run_sync(client)
+            await server.shutdown(0.1)
+            nursery.cancel_scope.cancel()
+    with caplog.at_level("WARNING", logger="appliance"):
+        trio.run(main)
+    assert closed == [True]
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], caplog.text
