@@ -41,6 +41,7 @@ from tests.system.sigterm_cycles import start
 IDLE_S = 12.0
 RSS_SLACK_MB, FD_SLACK, THREAD_SLACK = 64, 2, 2
 MAX_IMAGE_BYTES = 2_800_000    # base64 of it stays under the 4 MB body limit
+REQUEST_IMAGES_B64 = 3_900_000  # the base64 of one request's images together (a 413 otherwise)
 GRACE_S = 1.0
 EXIT_HANG_S = 30.0   # the exit's time is reported; the bound (grace + 2 s) is test_sigterm_under_load's and the cycles'
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
@@ -110,7 +111,11 @@ class Load:
                     self.failures.append((kind, str(status), problem[:400]))
 
     def images(self, rng: random.Random, most: int = 3) -> list[dict]:
-        picked = [rng.choice(self.pool) for _ in range(rng.randint(1, most))]
+        """1 to `most` images from the pool whose base64 fits one request body (4 MB) together."""
+        picked: list[dict] = []
+        for im in (rng.choice(self.pool) for _ in range(rng.randint(1, most))):
+            if not picked or sum(len(p["uri"]) for p in picked) + len(im["uri"]) < REQUEST_IMAGES_B64:
+                picked.append(im)
         with self.lock:
             self.counts["images_sent"] += len(picked)
             for im in picked:
