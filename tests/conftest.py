@@ -2,10 +2,15 @@
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
+import time
 
 import pytest
 
 from tests.support import tiny_models
+from tests.support.live_server import wait_healthy
 
 FIXTURES = tiny_models.FIXTURES
 
@@ -114,3 +119,34 @@ def native_lib():
     assert kernels.available(), kernels.load_error
     yield kernels
     kernels.configure_threads()
+
+
+@pytest.fixture
+def cli_server():
+    """start(model, *args) runs `python -m appliance --model MODEL --port 0 *args` and returns (process, port) once
+    /health says ok. Every server it started is killed at teardown whatever the test did, so a failed start or
+    assertion never leaves one serving (under load, a start past its deadline used to leave orphans)."""
+    procs: list[subprocess.Popen] = []
+
+    def start(model: str, *extra: str) -> tuple[subprocess.Popen, int]:
+        proc = subprocess.Popen([sys.executable, "-m", "appliance", "--model", model, "--port", "0", *extra],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs.append(proc)
+        deadline = time.monotonic() + 120
+        port = None
+        while port is None:
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "server exited"
+            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+            port = int(m.group(1)) if m else None
+            assert time.monotonic() < deadline, "no 'listening on' line in time"
+        assert wait_healthy(port, max(1.0, deadline - time.monotonic()), proc), "the server did not become healthy"
+        return proc, port
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()

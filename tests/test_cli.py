@@ -97,33 +97,9 @@ def test_one_shot_prompt_streams_the_engines_reply(tiny_qwen3_tied):
     assert reads[0][1], "the first text arrived only after the process ended"
 
 
-def start_server(model, *extra) -> tuple[subprocess.Popen, int]:
-    proc = subprocess.Popen(CLI + ["--model", model, "--port", "0", *extra], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    port = None
-    deadline = time.monotonic() + 60
-    while port is None:
-        line = proc.stderr.readline()
-        assert line or proc.poll() is None, "server exited"
-        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
-        if m:
-            port = int(m.group(1))
-        assert time.monotonic() < deadline
-    while True:  # ready? (while the model loads, work that holds the GIL can keep /health waiting for seconds)
-        c = RawClient(port, timeout=60)
-        c.send(request_bytes("GET", "/health"))
-        r = c.read_head()
-        c.read_body(r)
-        c.close()
-        if r.status == 200:
-            return proc, port
-        assert r.status == 503 and time.monotonic() < deadline
-        time.sleep(0.1)
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_on_idle_server_exits_0(tiny_qwen3_tied, sig):
-    proc, port = start_server(tiny_qwen3_tied)
+def test_signal_on_idle_server_exits_0(tiny_qwen3_tied, sig, cli_server):
+    proc, port = cli_server(tiny_qwen3_tied)
     proc.send_signal(sig)
     assert proc.wait(30) == 0
     assert "Traceback" not in proc.stderr.read()
@@ -131,8 +107,8 @@ def test_signal_on_idle_server_exits_0(tiny_qwen3_tied, sig):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
 
 
-def test_sigterm_lets_in_flight_stream_finish_then_exits_0(tiny_qwen3_tied):
-    proc, port = start_server(tiny_qwen3_tied, "--grace", "30")
+def test_sigterm_lets_in_flight_stream_finish_then_exits_0(tiny_qwen3_tied, cli_server):
+    proc, port = cli_server(tiny_qwen3_tied, "--grace", "30")
     c = RawClient(port)
     c.send(request_bytes("POST", "/v1/chat/completions",
                          chat_body("Hello", stream=True, max_tokens=40, ignore_eos=True)))
@@ -149,11 +125,11 @@ def test_sigterm_lets_in_flight_stream_finish_then_exits_0(tiny_qwen3_tied):
     assert proc.wait(30) == 0
 
 
-def test_sigterm_ends_what_outlives_the_grace_period_cleanly(tiny_qwen3_tied):
+def test_sigterm_ends_what_outlives_the_grace_period_cleanly(tiny_qwen3_tied, cli_server):
     """Past --grace, a running stream gets an error event with code server_shutdown and a proper end of the
     chunked body; requests still queued get 503 (a queued stream: the same error event) at once; the process
     exits 0 within grace + 2 s."""
-    proc, port = start_server(tiny_qwen3_tied, "--grace", "1", "--queue", "2")
+    proc, port = cli_server(tiny_qwen3_tied, "--grace", "1", "--queue", "2")
     c = RawClient(port)
     c.send(request_bytes("POST", "/v1/chat/completions",
                          chat_body("Hello", stream=True, max_tokens=3000, ignore_eos=True)))
@@ -236,9 +212,9 @@ def test_systemd_ready_watchdog_stopping(tiny_qwen3_tied, tmp_path):
         sock.close()
 
 
-def test_extension_events_flag(tiny_qwen3_tied):
+def test_extension_events_flag(tiny_qwen3_tied, cli_server):
     """--extension-events: every stream ends with the metrics and tokens events unless the request opts out."""
-    proc, port = start_server(tiny_qwen3_tied, "--extension-events")
+    proc, port = cli_server(tiny_qwen3_tied, "--extension-events")
     try:
         def stream(**extra):
             c = RawClient(port)

@@ -15,7 +15,6 @@ import pytest
 from tests.support.live_server import LiveServer, RawClient, chat_body, request_bytes
 from tests.support.tiny_vl import cached_qwen3_vl
 from tests.system import mixed_load, soak
-from tests.test_cli import start_server
 
 pytestmark = pytest.mark.system
 
@@ -63,11 +62,11 @@ def test_mixed_load_with_images(tmp_path_factory):
     assert r["health"]["polls"] > 0 and r["samples"] > 0, r
 
 
-def test_sigterm_under_load(tiny_qwen3_tied):
+def test_sigterm_under_load(tiny_qwen3_tied, cli_server):
     """Six clients streaming and two queued non-stream requests when SIGTERM comes (--grace 1): every stream ends
     properly (finished with [DONE], or a server_shutdown error event and the end of the chunked body), every
     queued request gets 503, the process exits 0 within grace + 2 s."""
-    proc, port = start_server(tiny_qwen3_tied, "--grace", "1", "--queue", "8")
+    proc, port = cli_server(tiny_qwen3_tied, "--grace", "1", "--queue", "8")
     results: list = []
 
     def client(i: int, stream: bool):
