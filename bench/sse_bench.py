@@ -23,32 +23,11 @@ import os
 import re
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def start_server(model: str, prefill_chunk: int) -> tuple[subprocess.Popen, int]:
-    proc = subprocess.Popen([sys.executable, "-m", "appliance", "--model", model, "--port", "0",
-                             "--prefill-chunk", str(prefill_chunk)],
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    deadline = time.monotonic() + 120
-    port = None
-    while port is None:
-        line = proc.stderr.readline()
-        assert line or proc.poll() is None, "server exited"
-        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
-        port = int(m.group(1)) if m else None
-        assert time.monotonic() < deadline, "server did not start"
-    while True:
-        status, _ = get(port, "/health")
-        if status == 200:
-            return proc, port
-        assert time.monotonic() < deadline, "model did not load"
-        time.sleep(0.05)
 
 
 def post(port: int, body: dict) -> socket.socket:
@@ -182,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         from tests.support.tiny_models import build_qwen3
         tmp = tempfile.TemporaryDirectory()
         model = build_qwen3(os.path.join(tmp.name, "tiny-qwen3"))
-    proc, port = start_server(model, args.prefill_chunk)
+    sys.path.insert(0, ROOT)
+    from tests.support.live_server import start_cli_server
+    proc, port = start_cli_server(model, "--prefill-chunk", str(args.prefill_chunk), cwd=ROOT)
     try:
         stream_run(port, 8)  # warm-up
         runs = [stream_run(port, args.tokens) for _ in range(args.runs)]
@@ -193,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         health = socket.create_connection(("127.0.0.1", port))
         dec = [cancel_decode(port, health) for _ in range(args.runs)]
         progress("decode cancels done")
-        pre = [cancel_prefill(port, health, long_prompt, min(0.3, full["prefill_ms"] / 4000.0))
-               for _ in range(args.runs)]
+        # each cancelled prompt starts differently: with the same one the prefix cache would leave nothing to prefill
+        pre = [cancel_prefill(port, health, f"Run {i}. " + long_prompt, min(0.3, full["prefill_ms"] / 4000.0))
+               for i in range(args.runs)]
         health.close()
     finally:
         proc.terminate()

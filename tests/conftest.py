@@ -2,15 +2,12 @@
 from __future__ import annotations
 
 import os
-import re
 import subprocess
-import sys
-import time
 
 import pytest
 
 from tests.support import tiny_models
-from tests.support.live_server import wait_healthy
+from tests.support.live_server import start_cli_server
 
 FIXTURES = tiny_models.FIXTURES
 
@@ -129,18 +126,8 @@ def cli_server():
     procs: list[subprocess.Popen] = []
 
     def start(model: str, *extra: str) -> tuple[subprocess.Popen, int]:
-        proc = subprocess.Popen([sys.executable, "-m", "appliance", "--model", model, "--port", "0", *extra],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc, port = start_cli_server(model, *extra, stdout=subprocess.PIPE)
         procs.append(proc)
-        deadline = time.monotonic() + 120
-        port = None
-        while port is None:
-            line = proc.stderr.readline()
-            assert line or proc.poll() is None, "server exited"
-            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
-            port = int(m.group(1)) if m else None
-            assert time.monotonic() < deadline, "no 'listening on' line in time"
-        assert wait_healthy(port, max(1.0, deadline - time.monotonic()), proc), "the server did not become healthy"
         return proc, port
 
     yield start

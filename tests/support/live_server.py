@@ -7,7 +7,10 @@ test thread can read the worker's engine-side counters (JobTrace) directly, whic
 from __future__ import annotations
 
 import json
+import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -249,6 +252,29 @@ class RawClient:
             self.buf += data
         r.raw_body, self.buf = self.buf, b""
         return r.raw_body
+
+
+def start_cli_server(model: str, *extra: str, timeout: float = 120.0, **popen) -> tuple[subprocess.Popen, int]:
+    """`python -m appliance --model MODEL --port 0 *extra` as a process (stderr piped, text): (process, port) once
+    /health says ok. A start that fails (exits, no 'listening on' line, not healthy within `timeout`) kills the
+    process before raising; stopping it afterwards is the caller's (tests: the cli_server fixture)."""
+    proc = subprocess.Popen([sys.executable, "-m", "appliance", "--model", model, "--port", "0", *extra],
+                            stderr=subprocess.PIPE, text=True, **popen)
+    try:
+        deadline = time.monotonic() + timeout
+        port = None
+        while port is None:
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "server exited"
+            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+            port = int(m.group(1)) if m else None
+            assert time.monotonic() < deadline, "no 'listening on' line in time"
+        assert wait_healthy(port, max(1.0, deadline - time.monotonic()), proc), "the server did not become healthy"
+        return proc, port
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
 
 
 def wait_healthy(port: int, timeout: float, proc=None) -> bool:
