@@ -35,15 +35,10 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from tests.support.live_server import LiveServer, RawClient, chat_body, request_bytes  # noqa: E402
+from tests.system.monitor import usage  # noqa: E402
 
 RESPONSE_TIMEOUT_S = 30.0
 LONG_PROMPT = " ".join(f"word{i % 97}" for i in range(900))
-
-
-def process_usage() -> dict:
-    with open("/proc/self/statm") as f:
-        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return {"rss_mb": rss / 2**20, "fds": len(os.listdir("/proc/self/fd")), "threads": len(os.listdir("/proc/self/task"))}
 
 
 def close(c: RawClient, rst: bool) -> None:
@@ -99,7 +94,7 @@ def disconnect_soak(port: int, n: int, seed: int = 16) -> dict:
         disconnect_round(port, rng)
     served_at_once(port)
     time.sleep(1.0)
-    start = process_usage()
+    start = usage(os.getpid())
     kinds: dict = {}
     worst_next = 0.0
     for i in range(n):
@@ -109,7 +104,7 @@ def disconnect_soak(port: int, n: int, seed: int = 16) -> dict:
             worst_next = max(worst_next, served_at_once(port))
     worst_next = max(worst_next, served_at_once(port))
     time.sleep(1.0)
-    end = process_usage()
+    end = usage(os.getpid())
     return {"disconnects": n, "by_kind": kinds, "start": start, "end": end, "worst_next_request_s": round(worst_next, 3)}
 
 
