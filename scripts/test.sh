@@ -20,7 +20,7 @@ fi
 
 # The full run (no arguments) first builds and smoke-tests the aarch64 executable boards run: built under qemu
 # from a debootstrapped Debian 11 arm64 root (cached in ~/.cache/kestrel-build; from nothing on a fresh machine,
-# ~27 min on two idle cores), then tests/test_frozen_smoke.py runs it under qemu (health, streamed chat, images,
+# 18.7 min on two cores at load 6-10), then tests/test_frozen_smoke.py runs it under qemu (health, streamed chat, images,
 # sd_notify, SIGTERM, one-shot) and build/deb.sh packages it. A failing build is retried (mirrors and PyPI
 # flake; cached steps are not repeated); a failure stops here with the log's tail, before the suite.
 # KESTREL_AARCH64=0 leaves this stage out of a local full run; CI (.ci/run) always runs it.
