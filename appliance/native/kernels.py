@@ -208,16 +208,21 @@ def x8_row_bytes(qtype: QType, n: int) -> int:
     return row_bytes(qtype, n) // 144 * 1184 if qtype == QType.Q4_K else row_bytes(qtype, n) * 8
 
 
-def matmul_x8(qtype, w8: np.ndarray, rows: int, x: np.ndarray) -> np.ndarray:
+def _check_x8(qtype: QType, w8, rows: int, n: int) -> None:
+    """w8 must be repack_x8's result for `rows` rows of length n: a contiguous uint8 (groups of 8, bytes)."""
     from .twins import X8_TYPES
-    qtype = QType(int(qtype))
     if qtype not in X8_TYPES:
         raise ValueError(f"{qtype.name} has no x8 layout")
-    x = _f32(x)
-    n, rows = x.shape[1], operator.index(rows)
     if rows < 0 or not isinstance(w8, np.ndarray) or w8.dtype != np.uint8 or not w8.flags.c_contiguous \
             or w8.shape != ((rows + 7) // 8, x8_row_bytes(qtype, n)):
-        raise ValueError("x8 weights do not match rows and input width (a contiguous uint8 repack_x8 result)")
+        raise ValueError("x8 weights do not match the rows and input width (a contiguous uint8 repack_x8 result)")
+
+
+def matmul_x8(qtype, w8: np.ndarray, rows: int, x: np.ndarray) -> np.ndarray:
+    qtype = QType(int(qtype))
+    x = _f32(x)
+    n, rows = x.shape[1], operator.index(rows)
+    _check_x8(qtype, w8, rows, n)
     out = _product_out(x.shape[0], rows, n)
     if out.size and n:
         _check(_lib.kq_matmul(int(qtype) | X8, _ptr(w8), rows, n, _ptr(x), x.shape[0], _ptr(out)), "matmul_x8")
@@ -312,10 +317,7 @@ def bound_matmul(qtype, w: np.ndarray, x8: np.ndarray | None = None):
     w, n = _rows(qtype, w)
     rows, wp, q, f = w.shape[0], w.ctypes.data, int(qtype), _lib.kq_matmul
     if x8 is not None:
-        from .twins import X8_TYPES
-        if qtype not in X8_TYPES or not isinstance(x8, np.ndarray) or x8.dtype != np.uint8 \
-                or not x8.flags.c_contiguous or x8.shape != ((rows + 7) // 8, x8_row_bytes(qtype, n)):
-            raise ValueError("x8 weights do not match the rows (a contiguous uint8 repack_x8 result)")
+        _check_x8(qtype, x8, rows, n)
         w, wp, q = x8, x8.ctypes.data, int(qtype) | X8
     empty = not (rows and n)  # no C call: an empty result, or sums over nothing (0)
     f32 = np.dtype(np.float32)
