@@ -58,7 +58,9 @@ def _candidates() -> list[str]:
     env = os.environ.get("KESTREL_NATIVE_LIB")
     if env:
         return [env]
-    return sorted(glob.glob(os.path.join(_HERE, "_kestrel_native*.so")))
+    # `pip install -e .` (setup.py) and `python -m appliance.native.build` name the library differently: the one
+    # built last wins, so a stale build of the other kind never shadows a fresh one
+    return sorted(glob.glob(os.path.join(_HERE, "_kestrel_native*.so")), key=os.path.getmtime, reverse=True)
 
 
 def load(path: str | None = None):
