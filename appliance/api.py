@@ -32,7 +32,8 @@ from typing import Any, Awaitable, Callable
 
 import trio
 
-from .engine.constraint import GrammarError, constraint_for, think_mode
+from .engine.constraint import GrammarError, think_mode
+from .engine.grammar_probe import prepared_constraint
 from .engine.image_processing import ImageError
 from . import web
 from .generation import Generation
@@ -278,17 +279,19 @@ class Api:
 
     def compile_constraint(self, loaded: Any, req: Any, prompt: str, param: str) -> Any:
         """Worker thread: the compiled constraint of a ChatRequest's output_format (None: unconstrained), letting
-        a thinking model think first when its thinking is on; a grammar llguidance refuses is a 400 on `param`
-        with its reason. Bounded by llguidance's limits; the tokenizer's table it needs (3.4 s for Qwen3's
+        a thinking model think first when its thinking is on; a grammar llguidance refuses, built or in its first
+        steps (grammar_probe), is a 400 on the part it names (else `param`) with its reason. Bounded by
+        llguidance's limits and the probe's budget; the tokenizer's table it needs (3.4 s for Qwen3's
         151,936 tokens on the shared x86 test machine, bench/RESULTS.md) was built while the model loaded."""
         if req.output_format is None:
             return None
         think = think_mode(loaded.tokenizer, prompt_ends_in_reasoning(prompt), req.enable_thinking)
         try:
-            return constraint_for(req.output_format, loaded.tokenizer, loaded.engine.model.config.vocab_size,
-                                  loaded.eos_ids, think)
+            return prepared_constraint(req.output_format, loaded.tokenizer, loaded.engine.model.config.vocab_size,
+                                       loaded.eos_ids, think)
         except GrammarError as e:
-            raise ApiError(400, f"Invalid schema for '{param}': {e}", param=param, code="invalid_schema") from None
+            part = e.part or param
+            raise ApiError(400, f"Invalid schema for '{part}': {e}", param=part, code="invalid_schema") from None
 
     def render_prompt(self, loaded: Any, req: Any, body_size: int, check: bool = True) -> tuple[str, list[int]]:
         """Worker thread: a ChatRequest's prompt text and ids (the context is checked here unless the request

@@ -158,6 +158,6 @@ def test_format_is_an_output_format_and_turns_thinking_off_unless_asked():
     assert o.request.output_format == OutputFormat("json") and o.request.template_kwargs == {"enable_thinking": False}
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     o = parse_ollama_chat(chat(format=schema, think=True), context_length=4096)
-    assert o.request.output_format == OutputFormat("json_schema", schema)
+    assert o.request.output_format == OutputFormat("json_schema", schema, probes=(("format", schema),))
     assert o.request.template_kwargs == {"enable_thinking": True}
     assert parse_ollama_chat(chat(), context_length=4096).request.output_format is None

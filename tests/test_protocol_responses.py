@@ -90,7 +90,7 @@ def test_input_items_become_chat_messages():
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tools": [{"type": "function"}]}, "tools[0].name"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": []}}}, "text.format.json_schema.schema"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": []}}}, "text.format.schema"),
     ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
     ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
      "tool_choice.name"),
@@ -186,7 +186,7 @@ def test_text_format_and_forced_tool_choice_are_output_formats():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     r = parse_responses_request(body(text={"format": {"type": "json_schema", "name": "x", "schema": schema,
                                                       "strict": True}}), context_length=4096)
-    assert r.request.output_format == OutputFormat("json_schema", schema)
+    assert r.request.output_format == OutputFormat("json_schema", schema, probes=(("text.format.schema", schema),))
     assert r.request.template_kwargs == {"enable_thinking": False}
     assert r.echo["text"] == {"format": {"type": "json_schema", "name": "x", "schema": schema, "strict": True}}
     r = parse_responses_request(body(text={"format": {"type": "json_object"}}, reasoning={"effort": "high"}),
@@ -194,6 +194,7 @@ def test_text_format_and_forced_tool_choice_are_output_formats():
     assert r.request.output_format == OutputFormat("json") and r.request.template_kwargs == {}
     tools = [{"type": "function", "name": "f", "parameters": schema}]
     r = parse_responses_request(body(tools=tools, tool_choice={"type": "function", "name": "f"}), context_length=4096)
-    assert r.request.output_format == OutputFormat("tool_calls", tools=(("f", schema),), parallel=False)
+    assert r.request.output_format == OutputFormat("tool_calls", tools=(("f", schema),), parallel=False,
+                                                   probes=(("tools[0].parameters", schema),))
     assert r.echo["tool_choice"] == {"type": "function", "name": "f"}
     assert parse_responses_request(body(), context_length=4096).request.output_format is None

@@ -3,8 +3,10 @@
 Policies:
 - Grammars are llguidance's Lark with inline `%json{...}` (JSON schemas go through its JSON compiler): the
   JSON value, or Hermes tool-call blocks, optionally after a `<think>...</think>` block when thinking is on
-  (or after the rest of one the prompt left open), so a thinking model thinks freely, then answers in form. A grammar is compiled once per request, off the event loop, before the request
-  queues; a grammar llguidance refuses is a GrammarError whose message names the part it refuses. The
+  (or after the rest of one the prompt left open), so a thinking model thinks freely, then answers in form. A
+  grammar is compiled once per request, off the event loop, before the request queues, and its first steps
+  run there too (grammar_probe.py); a grammar llguidance refuses is a GrammarError whose message says why and
+  whose `part` names the request field it refuses. The
   tokenizer table every grammar needs is built while the model loads (build_grammar_tokenizer): that work
   holds the GIL, so no worker thread can do it without stalling the event loop.
 - Bounded work: compile and every mask step run under LLParserLimits (lexer states, grammar size, per-step
@@ -34,7 +36,12 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 
 
 class GrammarError(ValueError):
-    """A grammar (schema) the constraint library refuses; the message names the unsupported part."""
+    """A grammar (schema) the constraint library refuses; the message says why, `part` (when known) is the
+    request path of the refused part (e.g. 'response_format.json_schema.schema.$defs.a')."""
+
+    def __init__(self, message: str, part: str | None = None):
+        super().__init__(message)
+        self.part = part
 
 
 def _limits():
@@ -113,7 +120,7 @@ def compile_grammar(grammar: str, llg_tokenizer, vocab_size: int) -> CompiledGra
 
 
 def _clean(msg: str) -> str:
-    return " ".join(msg.split())[:500]
+    return " ".join(msg.replace("<non-verbose/>", "").split())[:500]
 
 
 class TokenConstraint:
@@ -168,15 +175,18 @@ def _json_rule(schema: Any) -> str:
 
 def tool_calls_rules(tools: Iterable[tuple[str, Any]], parallel: bool, tokenizer=None, llg_tokenizer=None) -> str:
     """Lark for Hermes-style calls (`<tool_call>\n{"name": N, "arguments": {...}}\n</tool_call>`, the Qwen
-    templates' format): one call, or several separated by a newline; each call's arguments follow its
-    function's parameters schema, "name" first so a stream can announce the call before its arguments."""
-    alternatives = [{"type": "object", "properties": {"name": {"const": name}, "arguments": params},
-                     "required": ["name", "arguments"], "additionalProperties": False} for name, params in tools]
-    call_schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+    templates' format): one call, or several separated by a newline; "name" first so a stream can announce the
+    call before its arguments. Each function's arguments are a `%json` of their own, so the `$ref`s in its
+    parameters resolve against that schema's root (Pydantic's `$defs` for nested models)."""
+    rules = []
+    for i, (name, params) in enumerate(tools):
+        head = json.dumps('{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": ', ensure_ascii=False)
+        rules.append(f'call_{i}: {head} args_{i} "}}"\nargs_{i}: {_json_rule(params)}\n')
     calls = 'call ("\\n" call)*' if parallel else "call"
     open_tag, close_tag = (_lark_literal(t, tokenizer, llg_tokenizer) for t in ("<tool_call>", "</tool_call>"))
+    alternatives = " | ".join(f"call_{i}" for i in range(len(rules)))
     return (f'body: {calls}\ncall: {open_tag} "\\n" call_json "\\n" {close_tag}\n'
-            f'call_json: {_json_rule(call_schema)}\n')
+            f'call_json: {alternatives}\n' + "".join(rules))
 
 
 def grammar_for(fmt, tokenizer=None, llg_tokenizer=None, think: str = "none") -> str:

@@ -26,7 +26,7 @@ from appliance.protocol.errors import ApiError
 from appliance.protocol.fields import check_type, get, invalid, load_json_object
 from appliance.protocol.messages import normalize_messages, normalize_tools
 from appliance.protocol.requests import ChatRequest, _sampling
-from appliance.protocol.structured import OutputFormat, check_schema
+from appliance.protocol.structured import OutputFormat, schema_format
 
 MAX_STOP = 16
 _DURATION = re.compile(r"^-?(\d+(\.\d*)?(ns|us|µs|ms|s|m|h))+$|^-?\d+(\.\d*)?$")
@@ -129,7 +129,7 @@ def response_format(data: Mapping[str, Any]) -> OutputFormat | None:
     if not isinstance(f, dict):
         raise invalid("format", f"Invalid 'format': {f!r}; use \"json\" or a JSON schema object.",
                       code="invalid_value")
-    return OutputFormat("json_schema", check_schema(f, "format"))
+    return schema_format(f, "format")
 
 
 def _options(data: Mapping[str, Any], defaults: Mapping[str, Any] | None, context_length: int | None):

@@ -20,14 +20,14 @@ Policies:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from appliance.protocol.errors import ApiError
 from appliance.protocol.fields import check_type, get, invalid, load_json_object, require
 from appliance.protocol.messages import normalize_messages, normalize_tools
 from appliance.protocol.requests import ChatRequest, _sampling
-from appliance.protocol.structured import OutputFormat, parse_response_format, parse_tool_choice
+from appliance.protocol.structured import OutputFormat, parse_response_format, parse_tool_choice, schema_format
 
 MIN_OUTPUT_TOKENS = 16
 STATEFUL = "This server is stateless and stores no responses; send the whole conversation as input items."
@@ -155,8 +155,7 @@ def text_format(data: Mapping[str, Any]) -> tuple[dict[str, Any], OutputFormat |
     text = get(data, "text", "object", default={})
     fmt = get(text, "format", "object", "text.format", default={"type": "text"})
     if fmt.get("type") == "json_schema":
-        out = parse_response_format({"type": "json_schema", "json_schema": fmt}, "text.format")
-        return {"format": dict(fmt)}, out
+        return {"format": dict(fmt)}, schema_format(fmt.get("schema", {}), "text.format.schema")
     out = parse_response_format(fmt, "text.format")
     return {"format": {"type": fmt.get("type")}}, out
 
@@ -166,10 +165,14 @@ def _tool_choice(v: Any, tools: list[dict[str, Any]] | None, parallel: bool):
     if isinstance(v, dict) and v.get("type") == "function" and "function" not in v:
         v = {"type": "function", "function": {"name": v.get("name")}}
     try:
-        return parse_tool_choice(v, tools, parallel)
+        choice, fmt = parse_tool_choice(v, tools, parallel)
     except ApiError as e:
-        e.param = (e.param or "").replace("tool_choice.function.", "tool_choice.")
+        e.param = (e.param or "").replace("tool_choice.function.", "tool_choice.").replace(".function.", ".")
+        e.message = e.message.replace(".function.parameters", ".parameters")
         raise
+    if fmt is not None:      # the parts' paths name tools[i].parameters, the Responses field
+        fmt = replace(fmt, probes=tuple((p.replace(".function.", "."), s) for p, s in fmt.probes))
+    return choice, fmt
 
 
 def _echo_tool_choice(raw: Any, parsed: str | None) -> Any:

@@ -11,9 +11,11 @@ Policies:
   the Hermes `<tool_call>` blocks the chat template and our tool-call parser use, each call's arguments
   validated against that function's `parameters`.
 - A schema is checked here before llguidance sees it, so a hostile one is a 400 naming its path, never an
-  expensive compile: nesting depth <= MAX_DEPTH, at most MAX_PROPERTIES properties and MAX_ENUM_VALUES enum /
-  const values in all, the serialized schema <= MAX_SCHEMA_BYTES. What llguidance itself refuses (unknown
-  formats, bad $ref, unsupported keywords) comes back as a 400 with its message.
+  expensive compile: at most MAX_DEPTH levels of nested schemas (json_schema.py counts them), at most
+  MAX_PROPERTIES properties and MAX_ENUM_VALUES enum / const values in all, the serialized schema <=
+  MAX_SCHEMA_BYTES. What llguidance itself refuses (unknown formats, bad $ref, unsupported keywords) comes back
+  as a 400 with its message, and so does what it refuses only once it runs: each OutputFormat carries its
+  probe points (json_schema.probe_points: path and part), whose first steps the engine runs before admission.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from appliance.protocol.fields import check_type, get, invalid, require
+from appliance.protocol.json_schema import data_depth, holds_schemas, probe_points, walk
 
 MAX_DEPTH = 32
 MAX_PROPERTIES = 5000
@@ -36,6 +39,7 @@ class OutputFormat:
     schema: Any = None                      # json_schema: the schema (dict or True)
     tools: tuple = ()                       # tool_calls: ((name, parameters schema), ...) allowed
     parallel: bool = True                   # tool_calls: more than one call allowed
+    probes: tuple = ()                      # ((request path, part schema), ...): first steps before admission
 
 
 def check_schema(schema: Any, param: str) -> Any:
@@ -47,24 +51,35 @@ def check_schema(schema: Any, param: str) -> Any:
         raise invalid(param, f"'{param}' is too large: at most {MAX_SCHEMA_BYTES} bytes of JSON are supported.",
                       code="unsupported_value")
     counts = {"properties": 0, "enum": 0}
-    stack = [(schema, param, 0)]
-    while stack:
-        node, path, depth = stack.pop()
-        if depth > MAX_DEPTH:
-            raise invalid(path, f"The schema at '{path}' is nested too deeply: at most {MAX_DEPTH} levels are "
-                                f"supported.", code="unsupported_value")
-        if isinstance(node, dict):
-            for key, kind, limit in (("properties", dict, MAX_PROPERTIES), ("enum", list, MAX_ENUM_VALUES)):
-                if isinstance(node.get(key), kind):
-                    counts[key] += len(node[key])
-                    if counts[key] > limit:
-                        raise invalid(f"{path}.{key}", f"The schema is too large at '{path}.{key}': at most {limit} "
-                                                       f"{key} entries in all are supported.",
-                                      code="unsupported_value")
-            stack.extend((v, f"{path}.{k}", depth + 1) for k, v in node.items())
-        elif isinstance(node, list):
-            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(node))
+    for node, path, level in walk(schema, param):
+        if level > MAX_DEPTH:
+            raise _too_deep(path)
+        if not isinstance(node, dict):
+            continue
+        for key, value in node.items():
+            if not holds_schemas(key, value) and data_depth(value) > MAX_DEPTH:
+                raise _too_deep(f"{path}.{key}")
+        if isinstance(node.get("properties"), dict):
+            counts["properties"] += len(node["properties"])
+        counts["enum"] += (len(node["enum"]) if isinstance(node.get("enum"), list) else 0) + ("const" in node)
+        for key, limit, what in (("properties", MAX_PROPERTIES, "properties"),
+                                 ("enum", MAX_ENUM_VALUES, "enum / const values")):
+            if counts[key] > limit:
+                part = f"{path}.{key if key in node else 'const'}"
+                raise invalid(part, f"The schema is too large at '{part}': at most {limit} {what} in all are "
+                                    f"supported.", code="unsupported_value")
     return schema
+
+
+def _too_deep(path: str):
+    return invalid(path, f"The schema at '{path}' is nested too deeply: at most {MAX_DEPTH} levels of nested "
+                         f"schemas (and of nesting in one value) are supported.", code="unsupported_value")
+
+
+def schema_format(schema: Any, param: str) -> OutputFormat:
+    """The OutputFormat of a JSON schema given as `param` (checked, with its probe points)."""
+    schema = {} if schema is None else schema
+    return OutputFormat("json_schema", check_schema(schema, param), probes=probe_points(schema, param))
 
 
 def parse_response_format(rf: Any, param: str = "response_format") -> OutputFormat | None:
@@ -78,10 +93,7 @@ def parse_response_format(rf: Any, param: str = "response_format") -> OutputForm
         return OutputFormat("json")
     if kind == "json_schema":
         js = require(rf, "json_schema", "object", f"{param}.json_schema")
-        schema = js.get("schema", {})
-        if schema is None:
-            schema = {}
-        return OutputFormat("json_schema", check_schema(schema, f"{param}.json_schema.schema"))
+        return schema_format(js.get("schema", {}), f"{param}.json_schema.schema")
     raise invalid(f"{param}.type", f"Invalid value for '{param}.type': {kind!r}. Supported values are: 'text', "
                                    f"'json_object' and 'json_schema'.", code="invalid_value")
 
@@ -112,14 +124,15 @@ def parse_tool_choice(v: Any, tools: list[dict[str, Any]] | None, parallel: bool
             raise invalid("tool_choice.function.name", f"Invalid 'tool_choice': no function named '{name}' "
                                                        f"is in 'tools'.", code="invalid_value")
         chosen, parallel = [name], False
-    specs = []
+    specs, probes = [], ()
     for name in chosen:
         i = next(i for i, t in enumerate(tools) if t["function"]["name"] == name)
         params = by_name[name]
         params = {"type": "object", "properties": {}} if params is None else params
         specs.append((name, check_schema(params, f"tools[{i}].function.parameters")))
+        probes += probe_points(params, f"tools[{i}].function.parameters")
     return ("required" if v == "required" else "function"), OutputFormat("tool_calls", tools=tuple(specs),
-                                                                         parallel=parallel)
+                                                                         parallel=parallel, probes=probes)
 
 
 def parallel_tool_calls(body: dict[str, Any]) -> bool:
