@@ -9,6 +9,7 @@ format is tested byte-for-byte without a server. appliance/h11_server.py is the 
   requests.py     parse_chat_request / parse_completion_request -> ChatRequest / CompletionRequest
   ollama_requests.py, responses_requests.py   the Ollama and Responses APIs' bodies -> the same ChatRequest
   structured.py   response_format / tool_choice -> OutputFormat (constrained decoding), schema limits
+  json_schema.py  a JSON schema's sub-schemas, levels and probe points (parts stepped into before admission)
   sse.py          sse_event, sse_comment, SSE_DONE, SSE_HEADERS, json_bytes
   chunks.py       ChatChunks / CompletionChunks, chat_completion / text_completion, extension events
   logprobs.py     LogprobEntry and OpenAI's two logprobs shapes
