@@ -64,11 +64,13 @@ def prepared_constraint(fmt, tokenizer, vocab_size: int, eos_ids: Iterable[int],
             raise GrammarError(explain(error), part=path)
     error = walker.walk(compiled.matcher.deep_copy(), STEPS if think == "none" else 1)
     if error is not None:
-        raise GrammarError(explain(error), part=fmt.probes[-1][0] if own else None)
+        raise GrammarError(explain(error), part=fmt.probes[-1][0] if own and fmt.probes else None)
     return compiled
 
 
 class _Walker:
+    """Steps a matcher into its grammar (see the module's policy), one mask buffer for all its walks."""
+
     def __init__(self, vocab_size: int, eos: frozenset, openers: list[int]):
         self.vocab_size = vocab_size
         self.eos = eos
