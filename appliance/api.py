@@ -46,6 +46,7 @@ from .protocol import prometheus
 from .protocol.assemble import ChatAssembler, CompletionAssembler
 from .protocol.chunks import model_list
 from .protocol.ollama_stream import error_body as ollama_error_body
+from .protocol.generic_tools import generic_tool_request
 from .protocol.errors import (ApiError, body_too_large, context_length_exceeded, error_body, invalid_api_key,
                               method_not_allowed, missing_api_key, not_found, not_ready, queue_full,
                               server_shutdown)
@@ -273,9 +274,18 @@ class Api:
         """Worker thread: body -> (request, prompt text, prompt ids, constraint); ApiError for anything wrong."""
         req = parse_chat_request(body, defaults=loaded.default_sampling, context_length=loaded.context_length,
                                  images_supported=loaded.multimodal, stream_extensions=self.cfg.extension_events)
+        req = self.fit_tools(loaded, req)
         prompt, ids = self.render_prompt(loaded, req, len(body))
-        param = "tools" if req.tool_choice in ("required", "function") else "response_format"
+        param = "tools" if req.tool_choice in ("required", "function") or req.tool_format == "generic" \
+            else "response_format"
         return req, prompt, ids, self.compile_constraint(loaded, req, prompt, param)
+
+    def fit_tools(self, loaded: Any, req: Any) -> Any:
+        """A ChatRequest as the model's template can take its tools: unchanged when the template renders tools,
+        else in the generic tool format (protocol/generic_tools.py)."""
+        if getattr(loaded.chat_template, "renders_tools", True):
+            return req
+        return generic_tool_request(req)
 
     def compile_constraint(self, loaded: Any, req: Any, prompt: str, param: str) -> Any:
         """Worker thread: the compiled constraint of a ChatRequest's output_format (None: unconstrained), letting

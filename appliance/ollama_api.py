@@ -5,8 +5,12 @@ same Generation path (admission, queue, keep-alives, cancel on disconnect) as th
 Policies:
 - Errors come in Ollama's shape `{"error": "..."}` with the same status codes as the OpenAI routes (the Api
   dispatcher renders every ApiError under /api/ that way), including 429 when the queue is full.
-- The `model` field is not matched against the served model on chat / generate (one model, named in every
-  answer, as on the OpenAI routes); /api/show answers for the served name (with or without ":latest") only.
+- The `model` field is not matched against the served model (one model, named in every answer, as on the
+  OpenAI routes): chat, generate and /api/show accept any name, so a client that checks the name it chats with
+  by showing it (`model="any"`) works. /api/tags lists the served name only; a client that looks its name up
+  there (LangChain's `validate_model_on_init=True`) needs that name.
+- capabilities: completion, tools (every model: a template without a tool section gets the generic tool format,
+  protocol/generic_tools.py), vision (Qwen3-VL), thinking (a template that reads enable_thinking or has <think>).
 - Model management makes no sense on a fixed-model appliance: pull, push, create, delete, copy, blobs and the
   embedding endpoints answer 400 naming the served model.
 - `GET /` and `HEAD /` answer "Ollama is running" (text/plain), the probe Ollama clients send; a browser asking
@@ -59,8 +63,7 @@ def model_facts(loaded: Any, name: str) -> dict[str, Any]:
     caps = ["completion"]
     if loaded.multimodal:
         caps.append("vision")
-    if "tools" in template:
-        caps.append("tools")
+    caps.append("tools")
     if "<think>" in template or "enable_thinking" in template:
         caps.append("thinking")
     details = {"parent_model": "", "format": fmt, "family": family, "families": [family],
@@ -155,8 +158,6 @@ class OllamaApi:
         wanted = data.get("model", data.get("name"))
         if not isinstance(wanted, str) or not wanted:
             raise ApiError(400, "model is required", param="model")
-        if wanted not in (self.name, f"{self.name}:latest"):
-            raise ApiError(404, f"model '{wanted}' not found", param="model", code="model_not_found")
         f = await self.facts()
         cfg = loaded.config
         arch = f["family"]
@@ -196,6 +197,7 @@ class OllamaApi:
 
     def _prompt(self, loaded: Any, o: OllamaRequest, body_size: int):
         """Worker thread: (prompt text, prompt ids, the request fitted to the context, its `format` constraint)."""
+        o = replace(o, request=self.api.fit_tools(loaded, o.request))
         if o.raw:
             prompt = o.prompt
             ids = self.api.encode(loaded, prompt, o.request.max_tokens, body_size)
@@ -219,7 +221,8 @@ class OllamaApi:
         prompt, ids, req, constraint = await self.api.prepare(lambda: self._prompt(loaded, o, len(body)))
         in_reasoning = prompt_ends_in_reasoning(prompt)
         if parse is parse_ollama_chat:
-            out = OllamaChatAssembler(self.name, in_reasoning=in_reasoning, tools=bool(req.tools))
+            out = OllamaChatAssembler(self.name, in_reasoning=in_reasoning, tools=bool(req.tools),
+                                      tool_format=req.tool_format)
         else:
             out = OllamaGenerateAssembler(self.name, ids, in_reasoning=in_reasoning)
         await self.api.generate_chat(ex, loaded, req, ids, out, len(body), constraint)

@@ -228,3 +228,38 @@ def test_for_request_wires_the_parsed_flags():
     creq = parse_completion_request(b'{"prompt": "p", "echo": true, "stream": true}')
     c = CompletionAssembler.for_request(creq, model="m", created=5, echo_text="p")
     assert c.chunks.completion_id.startswith("cmpl-") and c.echo == "p" and not c._logprobs
+
+
+# The grammar-forced call of issue 22 cut by max_tokens (Qwen3 template, tiny random model): the tokens as decoded
+CUT_IN_NAME = ["\n", "<tool_call>", "\n", '{"', "name", '":', ' "', "get", "_weather"]
+CUT_IN_TAG = CUT_IN_NAME + ['",', ' "', "arguments", '":', ' {"', "city", '":', ' "', "Paris", '"}}', "\n", "</",
+                            "tool", "_"]
+
+
+def test_call_cut_by_max_tokens_leaks_no_markup_stream_and_non_stream():
+    for toks, calls in ((CUT_IN_NAME, []), (CUT_IN_TAG, [("get_weather", '{"city": "Paris"}')])):
+        s = ChatAssembler(ChatChunks("c", "m", 1), tools=True, new_id=ids())
+        evs = [e for t in toks for e in events(s.token(t))] + events(s.finish("length", "", STATS))
+        for e in evs[:-1]:
+            ChatCompletionChunk.model_validate(e)
+        deltas = [e["choices"][0]["delta"] for e in evs[:-1]]
+        assert [d for d in deltas if "content" in d] == []
+        assert evs[-2]["choices"][0]["finish_reason"] == "length" and evs[-1] == "[DONE]"
+        if calls:
+            fragments = ['{"', "city", '":', ' "', "Paris", '"}']      # the `}` of the block and `\n</tool_`: none
+            assert deltas == [{"tool_calls": [{"index": 0, "id": "call_0", "type": "function",
+                                               "function": {"name": "get_weather", "arguments": '{"'}}]},
+                              *({"tool_calls": [{"index": 0, "function": {"arguments": f}}]} for f in fragments[1:]),
+                              {}]
+        else:
+            assert deltas == [{}]
+
+        n = ChatAssembler(ChatChunks("c", "m", 1), tools=True, new_id=ids())
+        for t in toks:
+            n.token(t)
+        body = n.response("length", "", STATS)
+        msg = body["choices"][0]["message"]
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert msg["content"] == ("" if not calls else None)
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls", [])] == calls
+        ChatCompletion.model_validate(body)

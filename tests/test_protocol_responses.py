@@ -198,3 +198,22 @@ def test_text_format_and_forced_tool_choice_are_output_formats():
                                                    probes=(("tools[0].parameters", schema),))
     assert r.echo["tool_choice"] == {"type": "function", "name": "f"}
     assert parse_responses_request(body(), context_length=4096).request.output_format is None
+
+
+def test_function_call_cut_by_max_output_tokens():
+    """The call's arguments are what the model produced inside the call; no `</tool_` in them, no message item."""
+    for tool_format, toks in (("template", ["\n", "<tool_call>", '\n{"name": "get_weather", "arguments": ',
+                                            '{"city": "Paris"}', "}\n</", "tool_"]),
+                              ("generic", ['{"tool_call": {"name": "get_weather", "arguments": ', '{"city": "Par'])):
+        a = assembler(tools=True, tool_format=tool_format)
+        blobs = a.start() + [a.token(t) for t in toks] + a.finish("length", "", STATS)
+        events = parse_events(blobs)
+        assert [e["type"] for e in events] == [
+            "response.created", "response.in_progress", "response.output_item.added",
+            "response.function_call_arguments.delta", "response.function_call_arguments.done",
+            "response.output_item.done", "response.incomplete"]
+        final = Response.model_validate(events[-1]["response"])
+        args = '{"city": "Paris"}' if tool_format == "template" else '{"city": "Par'
+        assert [(o.type, o.name, o.arguments, o.status) for o in final.output] == \
+            [("function_call", "get_weather", args, "incomplete")]
+        assert final.incomplete_details.reason == "max_output_tokens"

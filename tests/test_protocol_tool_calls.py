@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from appliance.protocol.tool_calls import ToolCallParser
 
 
@@ -36,9 +38,9 @@ def test_qwen3_call_streams_its_arguments_as_they_decode():
             "</tool_call>", "\n"]
     steps, p = run(toks)
     assert steps == [[("content", "I'll check.")], [], [], [], [],
-                     [call(0, "get_weather"), ("args", '{"city":')],     # announced at `"arguments": {`
-                     [("args", ' "Paris 巴黎"')],                           # `}` held: it may close the block
-                     [("args", "}")],                                     # the second `}` closes the block
+                     [call(0, "get_weather"), ("args", '{"city": ')],    # announced at `"arguments": {`
+                     [("args", '"Paris 巴黎"}')],                           # this `}` closes the arguments
+                     [],                                                  # the block's own `}`: wrapper
                      [], [], [call(1, "t"), ("args", "{}")], [], []]      # a string argument: whole at the end
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in p.calls] == \
         [("get_weather", '{"city": "Paris 巴黎"}'), ("t", "{}")]
@@ -69,9 +71,40 @@ def test_invalid_block_is_content():
     assert p.calls == []
 
 
-def test_unterminated_block_is_flushed_as_content():
-    steps, p = run(["x <tool_call>\n{\"name\": \"f\""])
-    assert steps == [[("content", "x ")], [("content", "<tool_call>\n{\"name\": \"f\"")]]
+def test_call_cut_before_it_was_announced_leaves_no_markup():
+    """max_tokens inside `{"name": ...`: no call could be made; neither the tag nor the newline is content."""
+    steps, p = run(["\n<tool_call>\n{\"name\": \"get_weather"])
+    assert steps == [[], []] and p.calls == []
+    steps, p = run(["I'll check.", "\n", "<tool_call>", "\n", '{"name": "get_weather", "argu'])
+    assert [x for s in steps for x in s] == [("content", "I'll check.")] and p.calls == []
+    steps, p = run(["x <tool_call>"])
+    assert [x for s in steps for x in s] == [("content", "x ")]
+
+
+def test_cut_block_that_cannot_be_a_call_stays_content():
+    steps, p = run(["Use <tool_call> tags"])
+    assert [x for s in steps for x in s] == [("content", "Use "), ("content", "<tool_call> tags")]
+
+
+CUT_CALLS = [  # (generated text cut by max_tokens, the arguments the model produced)
+    ('\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_', '{"city": "Paris"}'),
+    ('\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n', '{"city": "Paris"}'),
+    ('\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}', '{"city": "Paris"}'),
+    ('\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}', '{"city": "Paris"}'),
+    ('\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', '{"city": "Pa'),
+    ('\n<tool_call>\n{"name": "get_weather", "arguments": {"q": "}</tool_', '{"q": "}'),
+    ('<tool_call>{"name":"f","arguments":{"a": [1, {"b": "]}"}]}}</tool_call', '{"a": [1, {"b": "]}"}]}'),
+]
+
+
+@pytest.mark.parametrize("text,args", CUT_CALLS)
+def test_call_cut_off_keeps_exactly_the_arguments_the_model_produced(text, args):
+    for cut in range(1, len(text)):
+        steps, p = run([text[:cut], text[cut:]])
+        pieces = [x for s in steps for x in s]
+        assert [k for k, _ in pieces if k == "content"] == []
+        assert "".join(v for k, v in pieces if k == "args") == args
+        assert [c["function"] for c in p.calls] == [{"name": pieces[0][1]["function"]["name"], "arguments": args}]
 
 
 def test_false_partial_tag_and_content_after_a_call():

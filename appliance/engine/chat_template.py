@@ -12,11 +12,15 @@ Policies:
   templates in additional_chat_templates/), tokenizer_config.json `chat_template` (a string or a list of
   {name, template}), chat_template.json. With several named templates, `tool_use` is used when tools are
   given and it exists, else `default`.
+- Whether a template renders tools at all (renders_tools) is probed once, as llama.cpp's minja does: a user
+  message with one made-up tool is rendered and the tool's name must appear in the text. Templates that fail
+  the probe get the generic tool format (protocol/generic_tools.py).
 - Any failure while rendering (a raise_exception() in the template, a type error on malformed messages, a
   sandbox violation) surfaces as ChatTemplateError, a ValueError the server turns into a 400.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from datetime import datetime
@@ -31,6 +35,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from appliance.engine.tokenizer import NAMED_SPECIAL_TOKENS, _token_content
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_PROBE_TOOL = "kestrel_probe_tool"
 
 
 class ChatTemplateError(ValueError):
@@ -183,6 +188,17 @@ class ChatTemplate:
         if "default" in self._compiled:
             return "default"
         raise ChatTemplateError(f"several chat templates and none named 'default': {sorted(self._compiled)}")
+
+    @functools.cached_property
+    def renders_tools(self) -> bool:
+        """The template puts a request's tools into the prompt (probed once with a made-up tool)."""
+        probe = {"type": "function", "function": {"name": _PROBE_TOOL, "description": "Probe.",
+                                                  "parameters": {"type": "object", "properties": {}}}}
+        try:
+            text = self.render([{"role": "user", "content": "Hi"}], tools=[probe], add_generation_prompt=True)
+        except ChatTemplateError:
+            return False
+        return _PROBE_TOOL in text
 
     def render(self, messages: list[Mapping[str, Any]], tools: list[Mapping[str, Any]] | None = None,
                add_generation_prompt: bool = True, **kwargs: Any) -> str:

@@ -173,20 +173,37 @@ def _json_rule(schema: Any) -> str:
     return f"%json {json.dumps({'x-guidance': JSON_OPTIONS, **schema})}"
 
 
-def tool_calls_rules(tools: Iterable[tuple[str, Any]], parallel: bool, tokenizer=None, llg_tokenizer=None) -> str:
-    """Lark for Hermes-style calls (`<tool_call>\n{"name": N, "arguments": {...}}\n</tool_call>`, the Qwen
-    templates' format): one call, or several separated by a newline; "name" first so a stream can announce the
-    call before its arguments. Each function's arguments are a `%json` of their own, so the `$ref`s in its
+def _call_json_rules(tools: Iterable[tuple[str, Any]]) -> str:
+    """Lark rule `call_json`: one call's JSON, {"name": N, "arguments": ...}, "name" first so a stream can announce
+    the call before its arguments. Each function's arguments are a `%json` of their own, so the `$ref`s in its
     parameters resolve against that schema's root (Pydantic's `$defs` for nested models)."""
     rules = []
     for i, (name, params) in enumerate(tools):
         head = json.dumps('{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": ', ensure_ascii=False)
         rules.append(f'call_{i}: {head} args_{i} "}}"\nargs_{i}: {_json_rule(params)}\n')
+    alternatives = " | ".join(f"call_{i}" for i in range(len(rules)))
+    return f"call_json: {alternatives}\n" + "".join(rules)
+
+
+def generic_tool_rules(tools: Iterable[tuple[str, Any]], parallel: bool, response: Any) -> str:
+    """Lark for the generic format of templates without a tool section (protocol/generic_tool_calls.py):
+    {"tool_call": CALL}, or {"tool_calls": [CALL, ...]} when parallel, or (response not None) {"response": V}
+    with V following the response schema."""
+    one, many, reply = (json.dumps('{"' + key + '": ') for key in ("tool_call", "tool_calls", "response"))
+    close, sep = json.dumps("}"), json.dumps(", ")
+    calls = (f'{many} "[" call_json ({sep} call_json)* "]" {close}' if parallel else f"{one} call_json {close}")
+    rules = f"calls: {calls}\n" + _call_json_rules(tools)
+    if response is None:
+        return rules + "body: calls\n"
+    return rules + f"reply: {reply} reply_json {close}\nreply_json: {_json_rule(response)}\nbody: calls | reply\n"
+
+
+def tool_calls_rules(tools: Iterable[tuple[str, Any]], parallel: bool, tokenizer=None, llg_tokenizer=None) -> str:
+    """Lark for Hermes-style calls (`<tool_call>\n{"name": N, "arguments": {...}}\n</tool_call>`, the Qwen
+    templates' format): one call, or several separated by a newline; each call as _call_json_rules."""
     calls = 'call ("\\n" call)*' if parallel else "call"
     open_tag, close_tag = (_lark_literal(t, tokenizer, llg_tokenizer) for t in ("<tool_call>", "</tool_call>"))
-    alternatives = " | ".join(f"call_{i}" for i in range(len(rules)))
-    return (f'body: {calls}\ncall: {open_tag} "\\n" call_json "\\n" {close_tag}\n'
-            f'call_json: {alternatives}\n' + "".join(rules))
+    return f'body: {calls}\ncall: {open_tag} "\\n" call_json "\\n" {close_tag}\n' + _call_json_rules(tools)
 
 
 def grammar_for(fmt, tokenizer=None, llg_tokenizer=None, think: str = "none") -> str:
@@ -200,6 +217,8 @@ def grammar_for(fmt, tokenizer=None, llg_tokenizer=None, think: str = "none") ->
         rules = f"body: {_json_rule(fmt.schema)}\n"
     elif fmt.kind == "tool_calls":
         rules = tool_calls_rules(fmt.tools, fmt.parallel, tokenizer, llg_tokenizer)
+    elif fmt.kind == "generic_tool_calls":
+        rules = generic_tool_rules(fmt.tools, fmt.parallel, fmt.schema)
     else:
         raise ValueError(f"unknown output format {fmt.kind!r}")
     if think != "none":

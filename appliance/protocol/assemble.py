@@ -61,11 +61,13 @@ class ChatAssembler(_Tail):
     """`chunks.include_usage` decides the usage event (its chunks then carry "usage": null, as OpenAI's do)."""
 
     def __init__(self, chunks: ChatChunks, *, in_reasoning: bool = False, reasoning: bool = True,
-                 tools: bool = False, logprobs: bool = False, include_metrics: bool = False,
-                 include_tokens: bool = False, new_id: Callable[[], str] = new_call_id):
+                 tools: bool = False, tool_format: str = "template", logprobs: bool = False,
+                 include_metrics: bool = False, include_tokens: bool = False,
+                 new_id: Callable[[], str] = new_call_id):
         super().__init__(include_metrics, include_tokens)
         self.chunks = chunks
-        self.router = OutputRouter(in_reasoning=in_reasoning, reasoning=reasoning, tools=tools, new_id=new_id)
+        self.router = OutputRouter(in_reasoning=in_reasoning, reasoning=reasoning, tools=tools,
+                                   tool_format=tool_format, new_id=new_id)
         self._logprobs = logprobs
         self._pending_lp: list[LogprobEntry] = []
         self.logprob_entries: list[LogprobEntry] = []
@@ -82,7 +84,7 @@ class ChatAssembler(_Tail):
         chunks = ChatChunks(completion_id or new_completion_id("chatcmpl"), model, created,
                             include_usage=req.include_usage)
         return cls(chunks, in_reasoning=in_reasoning, reasoning=reasoning, tools=bool(req.tools),
-                   logprobs=req.sampling.logprobs, include_metrics=req.include_metrics,
+                   tool_format=req.tool_format, logprobs=req.sampling.logprobs, include_metrics=req.include_metrics,
                    include_tokens=req.include_tokens)
 
     def _delta(self, routed: tuple[str, str, list[dict[str, Any]]], logprob: LogprobEntry | None,

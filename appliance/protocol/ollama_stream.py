@@ -80,11 +80,12 @@ class _OllamaAssembler:
     stream_headers = NDJSON_HEADERS
 
     def __init__(self, model: str, *, in_reasoning: bool = False, tools: bool = False,
-                 clock: Callable[[], str] = rfc3339, new_id: Callable[[], str] | None = None):
+                 tool_format: str = "template", clock: Callable[[], str] = rfc3339,
+                 new_id: Callable[[], str] | None = None):
         self.model = model
         self.clock = clock
         kw = {"new_id": new_id} if new_id is not None else {}
-        self.router = OutputRouter(in_reasoning=in_reasoning, tools=tools, **kw)
+        self.router = OutputRouter(in_reasoning=in_reasoning, tools=tools, tool_format=tool_format, **kw)
 
     def _head(self) -> dict[str, Any]:
         return {"model": self.model, "created_at": self.clock()}

@@ -61,6 +61,9 @@ class ChatRequest:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     ignore_eos: bool = False
     output_format: OutputFormat | None = None   # constrained decoding (json_object / json_schema / forced tools)
+    parallel_tool_calls: bool | None = None     # as the request gave it (None: not given)
+    tool_format: str = "template"           # how calls are written: the template's <tool_call> blocks, or
+                                            # "generic" (protocol/generic_tools.py: templates without tools)
 
     @property
     def enable_thinking(self) -> bool:
@@ -207,7 +210,8 @@ def parse_chat_request(body: bytes, *, defaults: Mapping[str, Any] | None = None
                        stream=flags.stream, include_usage=flags.include_usage,
                        include_metrics=flags.include_metrics, include_tokens=flags.include_tokens,
                        tools=tools, tool_choice=tool_choice if tools else None, template_kwargs=kwargs,
-                       ignore_eos=get(data, "ignore_eos", "boolean", default=False), output_format=output_format)
+                       ignore_eos=get(data, "ignore_eos", "boolean", default=False), output_format=output_format,
+                       parallel_tool_calls=get(data, "parallel_tool_calls", "boolean"))
 
 
 def _missing(key: str) -> None:

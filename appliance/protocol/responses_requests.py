@@ -233,7 +233,8 @@ def parse_responses_request(body: bytes, *, defaults: Mapping[str, Any] | None =
     stream = get(data, "stream", "boolean", default=False)
     req = ChatRequest(messages=messages, sampling=sampling, model=model, max_tokens=max_tokens, stream=stream,
                       tools=tools, tool_choice=tool_choice if tools else None, template_kwargs=kwargs,
-                      output_format=output_format)
+                      output_format=output_format,
+                      parallel_tool_calls=get(data, "parallel_tool_calls", "boolean"))
     echo = {"instructions": instructions, "max_output_tokens": max_tokens,
             "metadata": get(data, "metadata", "object", default={}),
             "parallel_tool_calls": parallel,

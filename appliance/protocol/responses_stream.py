@@ -12,7 +12,8 @@ Policies:
   `response.reasoning_text.delta` / `.done`), before the message, as open-weight servers send it.
 - A tool call is a `function_call` item (id fc_..., call_id call_...), emitted whole when its block closes:
   output_item.added (arguments ""), one `response.function_call_arguments.delta` with all arguments,
-  `.arguments.done`, output_item.done.
+  `.arguments.done`, output_item.done. A call the token limit cut (released only at the end) is an item with
+  status "incomplete" and the arguments the model produced, in a `response.incomplete`.
 - Non-stream: the same state machine runs over the same tokens; the response object is what
   response.completed would carry. Nothing is stored (store: false).
 - Errors inside a stream are an `error` event (type, code, message, param, sequence_number).
@@ -52,7 +53,7 @@ class ResponsesAssembler:
     stream_headers = SSE_HEADERS
 
     def __init__(self, model: str, created_at: int, echo: dict[str, Any], *, in_reasoning: bool = False,
-                 tools: bool = False, response_id: str | None = None,
+                 tools: bool = False, tool_format: str = "template", response_id: str | None = None,
                  new_id: Callable[[str], str] = new_item_id, clock: Callable[[], float] = time.time):
         self.model = model
         self.created_at = created_at
@@ -60,7 +61,8 @@ class ResponsesAssembler:
         self.id = response_id or new_id("resp")
         self._new_id = new_id
         self._clock = clock
-        self.router = OutputRouter(in_reasoning=in_reasoning, tools=tools, new_id=lambda: new_id("call"))
+        self.router = OutputRouter(in_reasoning=in_reasoning, tools=tools, tool_format=tool_format,
+                                   new_id=lambda: new_id("call"))
         self.output: list[dict[str, Any]] = []    # items, final state once closed
         self._open: dict[str, Any] | None = None  # the item receiving text (a reasoning or message item)
         self._seq = 0
@@ -134,7 +136,7 @@ class ResponsesAssembler:
         else:
             out.append(self._event("response.output_text.delta", **ids, delta=text, logprobs=[]))
 
-    def _call(self, call: dict[str, Any], out: list[dict[str, Any]]) -> None:
+    def _call(self, call: dict[str, Any], out: list[dict[str, Any]], status: str = "completed") -> None:
         self._close("completed", out)
         index, fn = len(self.output), call["function"]
         item = {"id": self._new_id("fc"), "type": "function_call", "status": "in_progress", "arguments": "",
@@ -144,11 +146,11 @@ class ResponsesAssembler:
                                delta=fn["arguments"]))
         out.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                arguments=fn["arguments"]))
-        item.update(arguments=fn["arguments"], status="completed")
+        item.update(arguments=fn["arguments"], status=status)
         self.output.append(item)
         out.append(self._event("response.output_item.done", output_index=index, item=dict(item)))
 
-    def _route(self, routed) -> list[dict[str, Any]]:
+    def _route(self, routed, call_status: str = "completed") -> list[dict[str, Any]]:
         r, c, calls = routed
         out: list[dict[str, Any]] = []
         if r:
@@ -156,7 +158,7 @@ class ResponsesAssembler:
         if c:
             self._text("message", c, out)
         for call in calls:
-            self._call(call, out)
+            self._call(call, out, call_status)
         return out
 
     # ---- the assembler interface (Generation) ----------------------------------------------------------
@@ -175,8 +177,8 @@ class ResponsesAssembler:
         return b"".join(typed_event(e) for e in self._route(self.router.token(text)))
 
     def _end(self, reason: str, text: str) -> tuple[list[dict[str, Any]], str]:
-        events = self._route(self.router.push(text, final=True))
         status = "incomplete" if reason == "length" else "completed"
+        events = self._route(self.router.push(text, final=True), call_status=status)
         self._close(status, events)
         return events, status
 

@@ -2,7 +2,8 @@
 
 Policies:
 - Every token's text goes through the reasoning splitter (when the API reports reasoning) and then, when the
-  request has tools, through the tool-call parser; so chat completions, the Ollama API and the Responses API
+  request has tools, through the tool-call parser of its tool format (the template's `<tool_call>` blocks,
+  tool_calls.py, or the generic JSON object of templates without tools, generic_tool_calls.py); so chat completions, the Ollama API and the Responses API
   report the same reasoning / content / tool calls for the same tokens, stream and non-stream alike.
 - A token counts as a reasoning token when the splitter was or is inside a think block around it.
 - Tool calls come out two ways: whole when they complete (the Routed tuple; Ollama sends calls whole), and as
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from appliance.protocol.generic_tool_calls import GenericToolCallParser
 from appliance.protocol.reasoning import ReasoningSplitter
 from appliance.protocol.tool_calls import ToolCallParser, new_call_id
 
@@ -21,9 +23,10 @@ Routed = tuple[str, str, list[dict[str, Any]]]   # (reasoning, content, tool cal
 
 class OutputRouter:
     def __init__(self, *, in_reasoning: bool = False, reasoning: bool = True, tools: bool = False,
-                 new_id: Callable[[], str] = new_call_id):
+                 tool_format: str = "template", new_id: Callable[[], str] = new_call_id):
         self._splitter = ReasoningSplitter(in_reasoning) if reasoning else None
-        self._tools = ToolCallParser(new_id) if tools else None
+        parser = GenericToolCallParser if tool_format == "generic" else ToolCallParser
+        self._tools = parser(new_id) if tools else None
         self.reasoning_parts: list[str] = []
         self.content_parts: list[str] = []
         self._reasoning_token_count = 0

@@ -5,14 +5,19 @@ Policies:
 - Same format and split as vLLM's hermes parser and llama.cpp's Qwen handling.
 - Streaming as OpenAI streams: once a block's text reads `{"name": "N", "arguments": {` the call is announced
   (a ("call", {id, type, function: {name, arguments: ""}}) piece), then its arguments arrive as ("args", text)
-  pieces while they decode; the block's closing `}`, trailing whitespace and a partial `</tool_call>` are held
-  back so a fragment is never taken back; ("done", call) marks its end (APIs that send calls whole, like
-  Ollama's, wait for it). `arguments` is the model's own text of the value, so the streamed fragments join to
-  exactly the non-stream `arguments`.
+  pieces while they decode, up to the `}` that closes the arguments object (found by bracket counting,
+  json_scan.JsonValueEnd); what follows it (the block's own `}`, whitespace, `</tool_call>`) is the wrapper and
+  never part of the arguments; a partial `</tool_call>` is held back so a fragment is never taken back; ("done",
+  call) marks its end (APIs that send calls whole, like Ollama's, wait for it). `arguments` is the model's own
+  text of the value, so the streamed fragments join to exactly the non-stream `arguments`.
 - A block whose text does not start that way (other key order, "parameters") is held until its closing tag and
   then, if its JSON has a string `name`, announced whole with its arguments re-encoded as a JSON string; a block
-  that does not parse is passed through as content, so nothing is lost. An announced call stays a call even if
-  the model is cut off before its closing tag.
+  that does not parse is passed through as content, so nothing is lost.
+- Cut off (max_tokens) inside a block: an announced call stays a call whose arguments are exactly the text the
+  model produced of them (a partial object; the wrapper's tail never joins them); a block cut before its call
+  was announced (`<tool_call>` and the start of its JSON) is dropped with the newlines before it, so no markup
+  reaches content; finish_reason "length" says why. A cut block whose text does not start with `{` (the model
+  writing about the tag) stays content.
 - Newlines the template puts around calls are not content: trailing newlines are held back and dropped when a call
   follows, and after the first call newline-only text is dropped.
 """
@@ -23,6 +28,7 @@ import re
 import secrets
 from typing import Any, Callable
 
+from appliance.protocol.json_scan import JsonValueEnd
 from appliance.protocol.reasoning import _partial_tag_len
 
 OPEN_TAG = "<tool_call>"
@@ -56,6 +62,8 @@ class ToolCallParser:
         self._buf = ""            # possible partial open tag (outside) or the block so far (inside)
         self._inside = False
         self._args_at = -1        # inside a streaming call: where its arguments start in _buf (-1: not yet)
+        self._scanned = 0         # characters of those arguments fed to _end
+        self._end = JsonValueEnd()
         self._pending_nl = ""     # trailing newlines of content, dropped if a call follows
         self.calls: list[dict[str, Any]] = []
 
@@ -82,17 +90,16 @@ class ToolCallParser:
             out.append(("args", text))
 
     def _stream_args(self, out: list[Piece], region: str, closed: bool) -> None:
-        """Release the part of a streaming call's argument text that can no longer be its closing (trailing
-        whitespace, the block's `}` and the whitespace before it; a partial close tag while open). Per token:
-        looks at the region's end only, never rescans the arguments so far."""
+        """Release the new part of a streaming call's argument text (`region`: everything after
+        `"arguments": ` so far) up to the end of the arguments value; a partial close tag at the end is held
+        while the block is open. Per token: feeds the new characters only."""
         if not closed:
             region = region[:len(region) - _partial_tag_len(region, CLOSE_TAG)]
-        final = region.rstrip()
-        if final.endswith("}"):
-            final = final[:-1].rstrip()
-        sent = self.calls[-1]["function"]["arguments"]
-        if final.startswith(sent):
-            self._args(out, final[len(sent):])
+        if self._end.ended or len(region) <= self._scanned:
+            return
+        new = region[self._scanned:]
+        self._scanned = len(region)
+        self._args(out, new[:self._end.feed(new)])
 
     def push(self, text: str) -> list[Piece]:
         out: list[Piece] = []
@@ -108,6 +115,7 @@ class ToolCallParser:
                 self._content(out, buf[:i])
                 buf = buf[i + len(OPEN_TAG):]
                 self._inside, self._args_at = True, -1
+                self._scanned, self._end = 0, JsonValueEnd()
                 continue
             if self._args_at < 0:
                 m = _HEADER.match(buf)
@@ -136,17 +144,18 @@ class ToolCallParser:
             self._inside = False
 
     def flush(self) -> list[Piece]:
-        """At the end: an unterminated block is content after all (the model was cut off), unless its call was
-        already announced: then the rest of its text is the (truncated) arguments."""
+        """At the end: an unterminated block whose call was announced ends that call (its arguments as far as
+        the model wrote them); one cut before that is dropped, or is content if it cannot be a call."""
         out: list[Piece] = []
         buf, self._buf = self._buf, ""
         if self._inside:
             self._inside = False
             if self._args_at >= 0:
-                sent = self.calls[-1]["function"]["arguments"]
-                rest = buf[self._args_at:]
-                self._args(out, rest[len(sent):] if rest.startswith(sent) else "")
+                self._stream_args(out, buf[self._args_at:], closed=False)
                 out.append(("done", self.calls[-1]))
+                return out
+            if not buf.strip() or buf.lstrip().startswith("{"):
+                self._pending_nl = ""            # a call cut before its name and arguments: not content
                 return out
             buf = OPEN_TAG + buf
         self._content(out, buf, final=True)
