@@ -130,6 +130,21 @@ def test_chat_stream_bytes():
         ollama.ChatResponse.model_validate(json.loads(line))
 
 
+def test_chat_stream_bytes_in_the_generic_tool_format():
+    """A template without a tool section: the JSON reply's text and the JSON call, as Ollama sends them."""
+    head = f'{{"model":"m","created_at":"{T}",'.encode()
+    for pieces, lines in (
+            (['{"response": "', "Hi", ' \\"you\\"', '"}'],
+             [b'"message":{"role":"assistant","content":"Hi"},"done":false}\n',
+              b'"message":{"role":"assistant","content":" \\"you\\""},"done":false}\n']),
+            (['{"tool_call": {"name": "f", "arguments": ', '{"x": 1}', "}}"],
+             [b'"message":{"role":"assistant","content":"","tool_calls":[{"id":"call_1","function":'
+              b'{"index":0,"name":"f","arguments":{"x":1}}}]},"done":false}\n'])):
+        a = OllamaChatAssembler("m", tools=True, tool_format="generic", clock=lambda: T, new_id=lambda: "call_1")
+        out = [x for x in (a.token(p) for p in pieces) if x] + a.finish("stop", "", STATS)[:-1]
+        assert out == [head + line for line in lines]
+
+
 def test_chat_and_generate_non_stream_objects():
     a = OllamaChatAssembler("m", in_reasoning=True, clock=lambda: T)
     for piece in ["plan", "</think>", "\n\nDone"]:
