@@ -51,10 +51,11 @@ def test_auto_lists_the_tools_and_allows_a_response():
     assert req.messages == [{"role": "system", "content": TOOLS_TEXT + f' To call a tool: {ONE}. To reply to the '
                                                                       f'user: {{"response": "<your reply>"}}'},
                             *USER]
+    empty = {"type": "object", "properties": {}}
     assert req.output_format == OutputFormat("generic_tool_calls", schema={"type": "string"},
-                                             tools=(("get_weather", PARAMS),
-                                                    ("get_time", {"type": "object", "properties": {}})),
-                                             parallel=False)
+                                             tools=(("get_weather", PARAMS), ("get_time", empty)), parallel=False,
+                                             probes=(("tools[0].function.parameters", PARAMS),
+                                                     ("tools[1].function.parameters", empty)))
 
 
 def test_required_named_parallel_and_response_format():
@@ -68,7 +69,8 @@ def test_required_named_parallel_and_response_format():
                     parallel_tool_calls=True)
     assert named.messages[0]["content"].endswith(
         ' Call the tool get_weather: {"tool_call": {"name": "get_weather", "arguments": {...}}}')
-    assert named.output_format == OutputFormat("generic_tool_calls", tools=(("get_weather", PARAMS),), parallel=False)
+    assert named.output_format == OutputFormat("generic_tool_calls", tools=(("get_weather", PARAMS),), parallel=False,
+                                               probes=(("tools[0].function.parameters", PARAMS),))
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
     fmt = request(tools=[WEATHER], response_format={"type": "json_schema", "json_schema": {"schema": schema}})
     assert fmt.output_format.schema == schema
@@ -148,6 +150,11 @@ def test_grammar_is_the_generic_format(tok):
     assert accepts(tok, required, two) and not accepts(tok, required, '{"response": "no"}')
     fmt = request(tools=[WEATHER], response_format={"type": "json_object"}).output_format
     assert accepts(tok, fmt, '{"response": {"a": 1}}') and not accepts(tok, fmt, '{"response": "text"}')
+    refs = {"type": "function", "function": {"name": "t", "parameters": {   # Pydantic's $defs resolve per tool
+        "$defs": {"C": {"enum": ["x"]}}, "type": "object", "properties": {"c": {"$ref": "#/$defs/C"}}}}}
+    fmt = request(tools=[WEATHER, refs]).output_format
+    assert accepts(tok, fmt, '{"tool_call": {"name": "t", "arguments": {"c": "x"}}}')
+    assert not accepts(tok, fmt, '{"tool_call": {"name": "t", "arguments": {"c": "y"}}}')
 
 
 def ids():

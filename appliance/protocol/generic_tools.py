@@ -49,11 +49,13 @@ def generic_tool_request(req: ChatRequest) -> ChatRequest:
     if not req.tools:
         return replace(req, messages=messages)
     if req.tool_choice in ("required", "function"):
-        calls, response = req.output_format, None
+        calls, response, probes = req.output_format, None, ()
     else:
         calls = parse_tool_choice("required", req.tools)[1]
         response = response_schema(req.output_format)
-    fmt = OutputFormat("generic_tool_calls", schema=response, tools=calls.tools, parallel=many)
+        probes = req.output_format.probes if req.output_format is not None else ()
+    fmt = OutputFormat("generic_tool_calls", schema=response, tools=calls.tools, parallel=many,
+                       probes=calls.probes + probes)
     prompt = system_prompt(req.tools, fmt, forced=calls.tools[0][0] if req.tool_choice == "function" else None)
     kwargs = {"enable_thinking": False, **req.template_kwargs}
     return replace(req, messages=with_system(messages, prompt), output_format=fmt, template_kwargs=kwargs,
