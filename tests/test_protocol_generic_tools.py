@@ -209,7 +209,8 @@ def test_every_split_gives_the_same_content_and_calls(text, content, calls):
 
 @pytest.mark.parametrize("text, content, calls", [
     ('{"tool_call": {"name": "get_weather", "arguments": {"city": "Pa', "", [("get_weather", '{"city": "Pa')]),
-    ('{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}', "", [("get_weather", '{"city": "Paris"}')]),
+    ('{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}', "",
+     [("get_weather", '{"city": "Paris"}')]),
     ('{"tool_call": {"name": "get_wea', "", []),
     ('{"tool_calls": [{"name": "f", "arguments": {}}, {"name": "g", "argu', "", [("f", "{}")]),
     ('{"tool_', "", []),

@@ -35,7 +35,8 @@ MAX_SCHEMA_BYTES = 256 * 1024
 @dataclass(frozen=True)
 class OutputFormat:
     """What a request constrains its output to. kind: 'json' (any JSON object), 'json_schema', 'tool_calls' (the
-    template's <tool_call> blocks), 'generic_tool_calls' (protocol/generic_tools.py; schema: the response's, or None)."""
+    template's <tool_call> blocks), 'generic_tool_calls' (protocol/generic_tools.py; schema: the response's or
+    None)."""
     kind: str
     schema: Any = None                      # json_schema: the schema (dict or True)
     tools: tuple = ()                       # tool_calls: ((name, parameters schema), ...) allowed
