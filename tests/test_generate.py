@@ -1,6 +1,7 @@
 """Engine.generate on a real tiny checkpoint with the real tokenizer: stops, eos, limits, cancel, timings."""
 import dataclasses
 
+import numpy as np
 import pytest
 
 from appliance.engine.generate import FinishEvent, GenerationRequest, TokenEvent
@@ -134,10 +135,20 @@ def test_load_errors_are_one_line(tmp_path):
         load_model(str(tmp_path))
 
 
-def test_warm_up_leaves_the_cache_empty_and_output_unchanged(loaded):
+def test_warm_up_leaves_the_active_sequence_and_output_unchanged(loaded):
+    """The warm-up token goes after the active sequence (at start: a prefix adopted from --prompt-cache-dir)
+    and is taken back, so the next request still reuses that sequence and decodes the same tokens."""
+    eng = loaded.engine
+    eng.drop_sequence()
     ids = prompt(loaded)
     before, _ = run(loaded, GenerationRequest(ids, GREEDY, max_tokens=6, ignore_eos=True))
-    loaded.engine.warm_up()
-    assert loaded.engine.cache.length == 0
-    after, _ = run(loaded, GenerationRequest(ids, GREEDY, max_tokens=6, ignore_eos=True))
+    held, k_before = list(eng.cache_tokens), eng.cache.copy_prefix(len(eng.cache_tokens))[0][0]
+    eng.warm_up()
+    assert eng.cache.length == len(held) > 0 and eng.cache_tokens == held
+    assert np.array_equal(eng.cache.copy_prefix(len(held))[0][0], k_before)
+    after, fin = run(loaded, GenerationRequest(ids, GREEDY, max_tokens=6, ignore_eos=True))
+    assert fin.timings.cache_n == len(ids) - 1
     assert [t.token_id for t in after] == [t.token_id for t in before]
+    eng.drop_sequence()
+    eng.warm_up()
+    assert eng.cache.length == 0 and eng.cache_tokens == []

@@ -112,10 +112,15 @@ class Engine:
 
     def warm_up(self) -> None:
         """One forward pass of a single token, so one-time work at a weight's first product (the native
-        kernels' row rearrangement, page faults) happens at load, not in the first request's latency."""
+        kernels' row rearrangement, page faults) happens at load, not in the first request's latency. The
+        token goes after the active sequence and is taken back: a prefix adopted from the disk stays active."""
+        n = len(self.cache_tokens)
+        if n + 1 > self.cache.max_len or self.cache_images:  # no room after it, or image state truncate drops
+            self.drop_sequence()
+            n = 0
         token = min(self.eos_ids) if self.eos_ids else 0
         self.model.forward(np.asarray([token], dtype=np.int64), self.cache, "last")
-        self.drop_sequence()
+        self.cache.truncate(n)
 
     def adopt(self, entries: list[CachedSequence]) -> None:
         """Cached sequences from elsewhere (the disk): the first becomes the active one, the rest are kept."""
