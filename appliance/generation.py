@@ -77,8 +77,9 @@ class Generation:
                     failure = server_shutdown()
                 else:
                     self._phase = "prefill"
-                    queue_ms = (time.perf_counter() - t_arrival) * 1000.0
                     finish, failure = await self._generate(ex, ticket)
+                    # until the engine thread took the job: its turn, then the previous job's after-request work
+                    queue_ms = (ticket.trace.started - t_arrival) * 1000.0
                 ticket.finished()
                 self._keepalive_scope.cancel()
         if finish is None:
