@@ -110,6 +110,11 @@ def _check_model_path(path: str) -> None:
         raise CliError(f"model path is not readable: {path}")
 
 
+def _check_prompt_cache_dir(path: str | None) -> None:
+    if path is not None and os.path.lexists(path) and not os.path.isdir(path):
+        raise CliError(f"--prompt-cache-dir {path} is not a directory")
+
+
 def _read_keys(args: argparse.Namespace) -> tuple[str, ...]:
     if args.api_key is not None:
         if not args.api_key.strip():
@@ -280,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         _check_model_path(args.model)
+        _check_prompt_cache_dir(args.prompt_cache_dir)
         if args.prompt is not None:
             return run_prompt(args)
         keys = _read_keys(args)

@@ -9,8 +9,9 @@ Policies:
   a cancelled prefill committed) and `cache_tokens` says which ids it holds. A new request keeps the longest
   prefix it shares with that sequence or with a copy in `store` (PrefixStore: earlier sequences under the
   --cache-ram budget, only their used positions), and prefills the rest; the last prompt token always runs.
-  The active sequence is copied into the store before a request would overwrite part of it. An engine error
-  drops the active sequence.
+  The active sequence is copied into the store before a request would overwrite part of it, and so is a
+  prefix the disk prompt cache is still writing from the cache (its own copy). An engine error drops the
+  active sequence.
 - A request's constraint (a grammar) masks every sampling step and ends the generation as soon as the grammar
   is complete.
 """
@@ -142,18 +143,22 @@ class Engine:
         self.cache.reset()
         self.cache_tokens, self.cache_images = [], ()
 
-    def _stash_active(self, reserve: int) -> None:
-        """Copy the active sequence's used positions into the store (unless the store already holds it)."""
+    def _stash_active(self, reserve: int) -> CachedSequence | None:
+        """Copy the active sequence's used positions into the store (unless the store already holds it); the
+        copy made, if any."""
         n = len(self.cache_tokens)
         if n == 0 or n * self.cache.bytes_per_token + reserve > self.store.budget \
                 or self.store.covers(self.cache_tokens, self.cache_images):
-            return
+            return None
         k, v = self.cache.copy_prefix(n)
-        self.store.add(CachedSequence(list(self.cache_tokens), self.cache_images, k, v), reserve)
+        entry = CachedSequence(list(self.cache_tokens), self.cache_images, k, v)
+        return entry if self.store.add(entry, reserve) else None
 
     def begin_sequence(self, ids: list[int], images: tuple[ImageKey, ...]) -> int:
         """Make the cache hold the longest reusable prefix of `ids` (never all of it); return its length."""
         if not self.reuse_prefix:
+            if self.disk is not None:
+                self.disk.before_overwrite(0)
             self.drop_sequence()
             self.cache_images = images
             return 0
@@ -161,8 +166,11 @@ class Engine:
         n_active = min(common_prefix(self.cache_tokens, self.cache_images, ids, images), limit)
         entry, n_saved = self.store.best(ids, images)
         n_saved = min(n_saved, limit)
+        stashed = None
         if n_active < len(self.cache_tokens):  # positions this request would overwrite: keep a copy
-            self._stash_active(reserve=len(ids) * self.cache.bytes_per_token)
+            stashed = self._stash_active(reserve=len(ids) * self.cache.bytes_per_token)
+        if self.disk is not None:  # a prefix still being written from the cache goes on from a copy
+            self.disk.before_overwrite(0 if entry is not None and n_saved > n_active else n_active, stashed)
         if entry is not None and n_saved > n_active:
             self.cache.load_prefix(entry.k, entry.v, n_saved)
             if n_saved >= len(entry.tokens) - self.store.slack:  # (nearly) all active now; copied back when left

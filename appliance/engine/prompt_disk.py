@@ -5,21 +5,35 @@ Policies:
 - What is written: after each request, the longest common prefix of its prompt and the previous request's,
   when it has at least `min_tokens` tokens, ends before any image, and is not on disk already. At most
   `max_files` files are kept (the oldest go first).
+- Writing never holds the engine: a writer thread (at nice 19) digests, writes and fsyncs the prefix straight
+  from the cache's arrays; the engine copies what is not written yet (the snapshot) only when a request would
+  overwrite those positions before the writer is through (PrefixWrite), so the usual next request, one that
+  extends the prefix, costs no copy. One write is in flight at a time (a prefix seen meanwhile is not saved)
+  and at most `write_budget` bytes are written per rolling hour (flash wears, and any client can make
+  prefixes to share): past it a prefix is not saved, with one warning until the budget frees up.
 - A file is keyed by the model's identity (the model path's files: names, sizes, modification times; the KV
   shape and element type) and the token ids. It is written to a temporary name, fsynced, renamed, and the
   directory fsynced: a crash leaves the old file or the new one, never half of one.
 - Layout: MAGIC, a little-endian u32 header length, a JSON header (identity, tokens, shape, dtype, the payload's
   BLAKE2b digest), then the keys of every layer and the values of every layer, each (n_kv, n_tokens, hd).
-- At load every file is checked (magic, header, identity, shape, length, digest); one that fails is ignored
-  with a warning naming the reason, never trusted and never deleted (it may be another model's).
+- At load only regular files named *.kvc are opened (a FIFO, device, directory or dangling link is skipped
+  unread), and never blocking. The header is checked from the file's first bytes (magic, header, identity,
+  shape, the file's length) before the payload is read, once, into the arrays kept, then its digest. A file
+  that fails is ignored with a warning naming it and the reason, never trusted and never deleted (it may be
+  another model's). A temporary file of this model whose writing process is gone is deleted.
 """
 from __future__ import annotations
 
+import collections
+import errno
 import hashlib
 import json
 import logging
 import os
+import stat
 import struct
+import threading
+import time
 
 import numpy as np
 
@@ -28,6 +42,11 @@ from .prefix_cache import CachedSequence, ImageKey, common_prefix
 log = logging.getLogger("appliance.prompt_cache")
 MAGIC = b"KESTREL-KV\x00\x01"
 SUFFIX = ".kvc"
+MAX_HEADER = 16 << 20       # bytes of JSON header a file may claim (a 256k-token prefix needs ~2 MB)
+WRITE_BUDGET = 2 << 30      # default bytes written per rolling hour
+BUDGET_WINDOW_S = 3600.0
+READ_BLOCK = 16 << 20
+WRITER_NICE = 19            # the writer thread's CPU priority (the lowest)
 
 
 def model_identity(path: str, shape: tuple[int, int, int], dtype) -> str:
@@ -43,19 +62,48 @@ def model_identity(path: str, shape: tuple[int, int, int], dtype) -> str:
     return h.hexdigest()
 
 
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_directory(directory: str) -> None:
+    """Create the cache directory if needed; NotADirectoryError when something else (a file, a dangling link)
+    has its name (makedirs would say only "File exists")."""
+    if os.path.lexists(directory) and not os.path.isdir(directory):
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory")
+    os.makedirs(directory, exist_ok=True)
+
+
 class PromptDiskCache:
     def __init__(self, directory: str, identity: str, shape: tuple[int, int, int], dtype,
-                 min_tokens: int = 32, max_files: int = 8):
+                 min_tokens: int = 32, max_files: int = 8, write_budget: int = WRITE_BUDGET,
+                 clock=time.monotonic):
         self.dir = directory
         self.identity = identity
         self.shape = tuple(shape)  # (n_layers, n_kv, hd)
         self.dtype = np.dtype(dtype)
         self.min_tokens = min_tokens
         self.max_files = max_files
+        self.write_budget = write_budget
+        self._clock = clock
         self._last: list[int] | None = None
         self._last_images: tuple[ImageKey, ...] = ()
         self.saved: list[list[int]] = []  # token ids of the prefixes on disk (this model)
-        os.makedirs(directory, exist_ok=True)
+        self._lock = threading.Lock()     # saved, the write in flight, the budget (engine and writer threads)
+        self._writer: threading.Thread | None = None
+        self._job: PrefixWrite | None = None
+        self._written: collections.deque[tuple[float, int]] = collections.deque()  # (time, bytes) of writes
+        self._over_budget = False
+        open_directory(directory)
+
+    @property
+    def bytes_per_token(self) -> int:
+        L, n_kv, hd = self.shape
+        return 2 * L * n_kv * hd * self.dtype.itemsize
 
     def _name(self, tokens: list[int]) -> str:
         digest = hashlib.blake2b(np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=12).hexdigest()
@@ -64,15 +112,28 @@ class PromptDiskCache:
     # ---- reading ---------------------------------------------------------------------------------------
     def load_all(self) -> list[CachedSequence]:
         """Every valid file of this model in the directory, newest first; others ignored with a warning."""
+        found = []
+        with os.scandir(self.dir) as it:
+            for e in it:
+                if not e.name.endswith(SUFFIX):
+                    self._remove_if_stale(e.name)
+                    continue
+                try:
+                    st = os.stat(e.path)  # follows a link: a link to a regular file is fine
+                except OSError as err:
+                    why = "a dangling symbolic link" if e.is_symlink() else (err.strerror or str(err))
+                    log.warning("prompt cache: ignoring %s: %s", e.path, why)
+                    continue
+                if not stat.S_ISREG(st.st_mode):
+                    log.warning("prompt cache: ignoring %s: %s", e.path, _kind(st.st_mode))
+                    continue
+                found.append((st.st_mtime_ns, e.path))
         out = []
-        names = sorted((n for n in os.listdir(self.dir) if n.endswith(SUFFIX)),
-                       key=lambda n: -os.path.getmtime(os.path.join(self.dir, n)))
-        for name in names:
-            path = os.path.join(self.dir, name)
+        for _, path in sorted(found, reverse=True):
             try:
                 entry = self._read(path)
-            except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
-                log.warning("prompt cache: ignoring %s: %s", path, e)
+            except (OSError, ValueError, KeyError, TypeError, struct.error) as err:
+                log.warning("prompt cache: ignoring %s: %s", path, getattr(err, "strerror", None) or err)
                 continue
             out.append(entry)
             self.saved.append(entry.tokens)
@@ -81,34 +142,66 @@ class PromptDiskCache:
                      ", ".join(str(len(e.tokens)) for e in out))
         return out
 
+    def _remove_if_stale(self, name: str) -> None:
+        """A temporary file of this model's whose writer process is gone (killed mid-write) is deleted."""
+        stem, _, pid = name.rpartition(f"{SUFFIX}.tmp")
+        if not stem.startswith(self.identity[:16]) or not pid.isdigit() or int(pid) == os.getpid():
+            return
+        try:
+            os.kill(int(pid), 0)
+            return  # its writer is alive (another server on this directory)
+        except ProcessLookupError:
+            pass
+        except OSError:  # alive, another user's
+            return
+        try:
+            os.unlink(os.path.join(self.dir, name))
+            log.info("prompt cache: removed %s (a write that did not finish)", name)
+        except OSError:
+            pass
+
     def _read(self, path: str) -> CachedSequence:
-        with open(path, "rb") as f:
-            data = f.read()
-        if not data.startswith(MAGIC):
-            raise ValueError("not a prompt cache file")
-        (n_head,) = struct.unpack_from("<I", data, len(MAGIC))
-        start = len(MAGIC) + 4
-        if start + n_head > len(data):
-            raise ValueError("truncated header")
-        head = json.loads(data[start:start + n_head].decode("utf-8"))
-        if head["identity"] != self.identity:
-            raise ValueError("written for another model file or KV layout")
-        tokens = [int(t) for t in head["tokens"]]
-        L, n_kv, hd = self.shape
-        if tuple(head["shape"]) != self.shape or np.dtype(head["dtype"]) != self.dtype or not tokens:
-            raise ValueError("unexpected shape or element type")
-        payload = memoryview(data)[start + n_head:]
-        per = n_kv * len(tokens) * hd * self.dtype.itemsize
-        if len(payload) != 2 * L * per:
-            raise ValueError(f"truncated payload ({len(payload)} of {2 * L * per} bytes)")
-        if hashlib.blake2b(payload, digest_size=16).hexdigest() != head["digest"]:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        with open(fd, "rb", buffering=0) as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):  # replaced since the directory was listed
+                raise ValueError(_kind(st.st_mode))
+            start = len(MAGIC) + 4
+            first = _read_exactly(f, start)
+            if len(first) < start or not first.startswith(MAGIC):
+                raise ValueError("not a prompt cache file")
+            (n_head,) = struct.unpack_from("<I", first, len(MAGIC))
+            if n_head > MAX_HEADER:
+                raise ValueError(f"header of {n_head} bytes claimed (at most {MAX_HEADER})")
+            if start + n_head > st.st_size:
+                raise ValueError("truncated header")
+            head = json.loads(_read_exactly(f, n_head).decode("utf-8"))
+            if head["identity"] != self.identity:
+                raise ValueError("written for another model file or KV layout")
+            tokens = [int(t) for t in head["tokens"]]
+            L, n_kv, hd = self.shape
+            if tuple(head["shape"]) != self.shape or np.dtype(head["dtype"]) != self.dtype or not tokens:
+                raise ValueError("unexpected shape or element type")
+            arrays = np.empty((2 * L, n_kv, len(tokens), hd), self.dtype)
+            have = st.st_size - start - n_head
+            if have != arrays.nbytes:
+                raise ValueError(f"truncated payload ({have} of {arrays.nbytes} bytes)" if have < arrays.nbytes
+                                 else f"{have - arrays.nbytes} bytes past the payload")
+            buf = memoryview(arrays.reshape(-1).view(np.uint8))
+            got = 0
+            while got < len(buf):
+                n = f.readinto(buf[got:got + READ_BLOCK])
+                if not n:
+                    raise ValueError(f"truncated payload ({got} of {arrays.nbytes} bytes)")
+                got += n
+        if hashlib.blake2b(buf, digest_size=16).hexdigest() != head["digest"]:
             raise ValueError("payload digest mismatch (corrupted)")
-        arrays = np.frombuffer(payload, dtype=self.dtype).reshape(2 * L, n_kv, len(tokens), hd)  # (2L, n_kv, n, hd)
-        return CachedSequence(tokens, (), [a.copy() for a in arrays[:L]], [a.copy() for a in arrays[L:]])
+        return CachedSequence(tokens, (), list(arrays[:L]), list(arrays[L:]))  # views of one (2L, n_kv, n, hd)
 
     # ---- writing ---------------------------------------------------------------------------------------
     def observe(self, prompt: list[int], images: tuple[ImageKey, ...], cache, cache_tokens: list[int]) -> None:
-        """After a request: save the prefix its prompt shares with the previous request's, if worth it."""
+        """After a request (engine thread): start saving the prefix its prompt shares with the previous
+        request's, if worth it and allowed; the writer thread reads it from the cache (see PrefixWrite)."""
         last, last_images = self._last, self._last_images
         self._last, self._last_images = list(prompt), images
         if last is None:
@@ -116,25 +209,100 @@ class PromptDiskCache:
         n = common_prefix(last, last_images, prompt, images)
         n = min([n] + [k[0] for k in images])  # text only: image pixels are not in the key
         n = min(n, common_prefix(cache_tokens, (), prompt, ()))  # what the cache really holds
-        if n < self.min_tokens or any(len(s) >= n and s[:n] == prompt[:n] for s in self.saved):
+        if n < self.min_tokens:
             return
-        k, v = cache.copy_prefix(n)
+        tokens = list(prompt[:n])
+        with self._lock:
+            if any(len(s) >= n and s[:n] == tokens for s in self.saved):
+                return
+            if self._job is not None and self._writer.is_alive():
+                log.debug("prompt cache: a write is in flight; not saving %d tokens", n)
+                return
+            if not self._spend(n * self.bytes_per_token):
+                return
+            self._job = PrefixWrite([*cache.k, *cache.v], n)
+            self._writer = threading.Thread(target=self._write_logged, args=(tokens, self._job),
+                                            name="prompt-cache-writer", daemon=True)
+            self._writer.start()
+
+    def before_overwrite(self, position: int, copy: CachedSequence | None = None) -> None:
+        """Engine thread, before the cache's keys/values from `position` on change: a write still reading
+        positions past it goes on from `copy` (the engine's copy of the cache's sequence, made anyway for its
+        prefix store) or else from its own copy of what it has not written yet."""
+        job = self._job
+        if job is not None and position < job.n:
+            job.detach([*copy.k, *copy.v] if copy is not None and len(copy.tokens) >= job.n else None)
+
+    def _spend(self, size: int) -> bool:
+        """Whether `size` more bytes fit this hour's write budget (then counted); caller holds the lock."""
+        now = self._clock()
+        while self._written and self._written[0][0] <= now - BUDGET_WINDOW_S:
+            self._written.popleft()
+        if sum(b for _, b in self._written) + size > self.write_budget:
+            if not self._over_budget:
+                log.warning("prompt cache: not saving a %.1f MB prefix: the write budget (%.0f MB per hour) is "
+                            "spent", size / 2**20, self.write_budget / 2**20)
+            self._over_budget = True
+            return False
+        self._over_budget = False
+        self._written.append((now, size))
+        return True
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait for the write in flight (tests); True when none is left."""
+        w = self._writer
+        if w is not None:
+            w.join(timeout)
+        return w is None or not w.is_alive()
+
+    def _write_logged(self, tokens: list[int], job: "PrefixWrite") -> None:
+        """The writer thread's body: one file, then the bookkeeping of what is on disk."""
+        try:  # Linux: the nice value is per thread; the engine's CPU comes first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        except (AttributeError, OSError):
+            pass
         try:
-            self._write(list(prompt[:n]), k, v)
+            path = self._write(tokens, job)
         except OSError as e:
             log.warning("prompt cache: cannot write to %s: %s", self.dir, e)
+            return
+        finally:
+            job.finish()
+            with self._lock:
+                if self._job is job:
+                    self._job = None
+        with self._lock:
+            superseded = [s for s in self.saved if len(s) <= len(tokens) and tokens[:len(s)] == s]
+            self.saved = [s for s in self.saved if s not in superseded] + [tokens]
+            while len(self.saved) > self.max_files:  # oldest first
+                superseded.append(self.saved.pop(0))
+        for s in superseded:
+            old = self._name(s)
+            if old != path:
+                try:
+                    os.unlink(old)
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    log.warning("prompt cache: cannot remove %s: %s", old, e)
 
-    def _write(self, tokens: list[int], k: list[np.ndarray], v: list[np.ndarray]) -> None:
-        payload = b"".join(np.ascontiguousarray(a, dtype=self.dtype).tobytes() for a in (*k, *v))
-        head = json.dumps({"identity": self.identity, "tokens": tokens, "shape": list(self.shape),
-                           "dtype": self.dtype.str, "digest": hashlib.blake2b(payload, digest_size=16).hexdigest()},
-                          separators=(",", ":")).encode()
+    def _write(self, tokens: list[int], job: "PrefixWrite") -> str:
+        """Write one file atomically (temporary name, fsync, rename, directory fsync); return its path. The
+        header goes first with a placeholder digest and is rewritten in place once the payload is through."""
+        def header(digest: str) -> bytes:
+            head = json.dumps({"identity": self.identity, "tokens": tokens, "shape": list(self.shape),
+                               "dtype": self.dtype.str, "digest": digest}, separators=(",", ":")).encode()
+            return MAGIC + struct.pack("<I", len(head)) + head
+
         path = self._name(tokens)
         tmp = f"{path}.tmp{os.getpid()}"
+        digest = hashlib.blake2b(digest_size=16)
         try:
             with open(tmp, "wb") as f:
-                f.write(MAGIC + struct.pack("<I", len(head)) + head)
-                f.write(payload)
+                f.write(header("0" * 32))
+                job.write_to(f, digest)
+                f.seek(0)
+                f.write(header(digest.hexdigest()))
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -146,11 +314,60 @@ class PromptDiskCache:
             os.fsync(fd)
         finally:
             os.close(fd)
-        log.info("prompt cache: wrote %d tokens (%.1f MB) to %s", len(tokens), len(payload) / 2**20, path)
-        superseded = [s for s in self.saved if len(s) <= len(tokens) and tokens[:len(s)] == s]
-        self.saved = [s for s in self.saved if s not in superseded] + [tokens]
-        while len(self.saved) > self.max_files:  # oldest first
-            superseded.append(self.saved.pop(0))
-        for s in superseded:
-            if self._name(s) != path and os.path.exists(self._name(s)):
-                os.unlink(self._name(s))
+        log.info("prompt cache: wrote %d tokens (%.1f MB) to %s", len(tokens), job.nbytes / 2**20, path)
+        return path
+
+
+class PrefixWrite:
+    """The first n positions of a cache's per-layer arrays (keys of every layer, then values), written chunk by
+    chunk (one layer's keys or values of one KV head: contiguous in the cache) straight from the cache. The
+    engine calls detach() before it overwrites any of them: the chunks not written yet come from its prefix
+    store's copy of the sequence, or are copied then. A request that only extends the prefix (the usual next
+    one) costs no copy at all."""
+
+    def __init__(self, arrays: list[np.ndarray], n: int):
+        self.n = n
+        self.chunks: list[np.ndarray | None] = self._views(arrays)
+        self.nbytes = sum(c.nbytes for c in self.chunks)
+        self.detached = False
+        self._done = 0
+        self._lock = threading.RLock()  # held while a chunk is written and by detach(); reentrant so a
+        # detach from inside a chunk's write (as a test makes one) cannot deadlock
+
+    def _views(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        return [a[h, :self.n] for a in arrays for h in range(a.shape[0])]
+
+    def detach(self, copy: list[np.ndarray] | None = None) -> None:
+        """Stop reading the cache: go on from `copy` (arrays holding the same first n positions) or from a
+        copy of the chunks not written yet."""
+        with self._lock:
+            if not self.detached:
+                rest = self._views(copy)[self._done:] if copy is not None else \
+                    [c.copy() for c in self.chunks[self._done:]]
+                self.chunks[self._done:] = rest
+                self.detached = True
+
+    def finish(self) -> None:
+        """Written (or failed): nothing of the cache is needed any more."""
+        with self._lock:
+            self.chunks = []
+            self.detached = True
+
+    def write_to(self, f, digest) -> None:
+        for i in range(len(self.chunks)):
+            with self._lock:
+                chunk = memoryview(np.ascontiguousarray(self.chunks[i])).cast("B")
+                digest.update(chunk)
+                f.write(chunk)
+                self.chunks[i] = None  # a copy is freed as soon as it is written
+                self._done = i + 1
+
+
+def _read_exactly(f, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = f.read(n - len(out))
+        if not chunk:
+            break
+        out += chunk
+    return out
