@@ -8,9 +8,9 @@ Policies:
   images are decoded only by a request that holds one (so a full queue turns image requests away before
   any pixel is decoded), one image at a time server-wide, stopping between images when the client leaves.
 - Parsing, template rendering, tokenization and image decoding run in worker threads (offload.off_loop),
-  never on the event loop. A prompt whose bytes alone prove it longer than the context (each token stands
-  for at most `max_token_bytes` bytes) is refused before it is tokenized, so a 4 MB body costs no
-  tokenizer memory.
+  never on the event loop, and tokenization releases the GIL. A prompt proven to be longer than the context
+  (by its bytes, or by the tokens of a prefix: engine/token_bounds.py) is refused after tokenizing about a
+  context's worth of it, so a 4 MB body costs neither seconds of tokenizer work nor its memory.
 - /metrics counts every request: one that ends because its client left is counted with code 499 (nginx's
   "client closed request"); a queued request that never ran is also in kestrel_queue_abandoned_total.
 - A stream's status line, SSE headers and first event (the chat role frame) go out before queueing and
@@ -35,6 +35,7 @@ import trio
 from .engine.constraint import GrammarError, think_mode
 from .engine.grammar_probe import prepared_constraint
 from .engine.image_processing import ImageError
+from .engine.token_bounds import TooManyTokens
 from . import web
 from .generation import Generation
 from .h11_server import Exchange
@@ -341,16 +342,12 @@ class Api:
         return req, ids, prompt_text
 
     def encode(self, loaded: Any, text: str, max_tokens: int | None, body_size: int) -> list[int]:
-        """Token ids of text; a text whose bytes alone need more tokens than the context holds is refused
-        untokenized (each token stands for at most max_token_bytes bytes; the factor 2 covers normalizers)."""
-        tok = loaded.tokenizer
-        per_token = 2 * max(1, getattr(tok, "max_token_bytes", 0))
-        if len(text) * 4 // per_token >= loaded.context_length:  # cheap bound first: UTF-8 is <= 4 bytes/char
-            at_least = len(text.encode("utf-8", "surrogatepass")) // per_token
-            if at_least >= loaded.context_length:
-                raise context_length_exceeded(at_least, max_tokens, loaded.context_length)
+        """Token ids of text; a text proven to need the whole context or more is refused (400) after tokenizing
+        about a context's worth of it (its bytes alone, or a prefix: engine/token_bounds.py)."""
         try:
-            return tok.encode(text)
+            return loaded.tokenizer.encode_within(text, loaded.context_length)
+        except TooManyTokens as e:
+            raise context_length_exceeded(e.at_least, max_tokens, loaded.context_length, at_least=True) from None
         finally:
             if body_size >= TRIM_BYTES:
                 trim_memory()

@@ -9,6 +9,9 @@ Policies:
   (byte fallback `<0xNN>`, `▁` for space) are handled too, so a GGUF loader can reuse this class.
   Added tokens marked special (special=True) yield b"" when skipping special tokens, like decode(); the others
   (<think>, <tool_call>, ...) are text and always yield their content.
+- Encoding releases the GIL (the library's batch calls; its plain `encode` holds it for the whole run, stalling
+  every other thread: token_bounds.py). encode_within() refuses a text proven to have too many tokens after
+  tokenizing about a context's worth of it (token_bounds.py: the proofs).
 - Ids the vocabulary does not know (a model's embedding matrix is often padded past the tokenizer) decode
   to nothing rather than failing, as the `tokenizers` decoder does.
 """
@@ -22,6 +25,8 @@ from typing import Iterable
 
 import tokenizers
 from tokenizers import decoders
+
+from .token_bounds import BoundedEncoder
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -85,7 +90,8 @@ class Tokenizer:
         for name, content in named.items():
             if tk.token_to_id(content) is None:
                 raise ValueError(f"{name} {content!r} is not in the vocabulary")
-        self._table = self._build_byte_table(tk, added, _is_byte_level(tk) if byte_level is None else byte_level)
+        self.byte_level = _is_byte_level(tk) if byte_level is None else byte_level
+        self._table = self._build_byte_table(tk, added, self.byte_level)
 
     @classmethod
     def from_dir(cls, model_dir: str) -> "Tokenizer":
@@ -150,7 +156,18 @@ class Tokenizer:
         """Token ids of text. add_special_tokens=True runs the tokenizer's post-processor (e.g. adds a BOS)."""
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, not {type(text).__name__}")
-        return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._bounded.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode_within(self, text: str, limit: int) -> list[int]:
+        """Token ids of text; token_bounds.TooManyTokens (a ValueError, with a proven `at_least`) as soon as the text
+        is proven to have `limit` tokens or more, before most of a long text is tokenized."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode_within() takes a str, not {type(text).__name__}")
+        return self._bounded.encode_within(text, limit)
+
+    @functools.cached_property
+    def _bounded(self) -> BoundedEncoder:
+        return BoundedEncoder(self._tk, self.max_token_bytes, self.byte_level)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)

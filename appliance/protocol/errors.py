@@ -105,9 +105,14 @@ def server_shutdown() -> ApiError:
                     headers=((b"Retry-After", b"5"),))
 
 
-def context_length_exceeded(prompt_tokens: int, max_tokens: int | None, context_length: int) -> ApiError:
-    """A prompt (plus any requested max_tokens) that does not fit the model's context window."""
-    if max_tokens is None:
+def context_length_exceeded(prompt_tokens: int, max_tokens: int | None, context_length: int,
+                            at_least: bool = False) -> ApiError:
+    """A prompt (plus any requested max_tokens) that does not fit the model's context window (`at_least`: the
+    prompt was not tokenized to its end; prompt_tokens is a proven lower bound)."""
+    if at_least:
+        msg = (f"This model's maximum context length is {context_length} tokens. However, your messages "
+               f"resulted in at least {prompt_tokens} tokens (counted until they were too many).")
+    elif max_tokens is None:
         msg = (f"This model's maximum context length is {context_length} tokens. However, your messages "
                f"resulted in {prompt_tokens} tokens, which leaves no room for a completion.")
     else:
