@@ -41,7 +41,7 @@ from .generation import Generation
 from .h11_server import Exchange
 from .ollama_api import OllamaApi, is_ollama_path
 from .responses_api import ResponsesApi
-from .image_inputs import ImageBytesLimit, ImageTokensOverContext, image_urls, prepare_images
+from .image_inputs import ImageBytesLimit, ImageTokensOverContext, InvalidImage, image_urls, prepare_images
 from .offload import IMAGE_THREADS, PREP_THREADS, TRIM_BYTES, LoopLag, off_loop, trim_memory
 from .protocol import prometheus
 from .protocol.assemble import ChatAssembler, CompletionAssembler
@@ -372,8 +372,9 @@ class Api:
         except ImageTokensOverContext as e:
             raise ApiError(400, f"This model's maximum context length is {e.limit} tokens; {e}.", param="messages",
                            code="context_length_exceeded") from None
-        except ImageError as e:
-            raise ApiError(400, str(e), param="messages", code="invalid_image") from None
+        except ImageError as e:  # param: the top field the client sent it in (messages, input, images)
+            param = e.where.partition("[")[0] if isinstance(e, InvalidImage) else "messages"
+            raise ApiError(400, str(e), param=param, code="invalid_image") from None
 
     def _count_image(self) -> None:  # image threads run one at a time (IMAGE_THREADS)
         self.images_decoded += 1

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 from .engine.image_processing import ImageError, ImageProcessor, PixelPatches, decode_image
 from .engine.qwen3_vl import expand_image_pads
+from .protocol.messages import part_param
 
 _DATA_URI = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[^;,]*)*)(?P<b64>;base64)?,",
                        re.IGNORECASE)
@@ -35,6 +36,14 @@ class ImageTokensOverContext(ImageError):
     def __init__(self, tokens: int, limit: int):
         super().__init__(f"the images need at least {tokens} tokens; the context holds {limit}")
         self.tokens, self.limit = tokens, limit
+
+
+class InvalidImage(ImageError):
+    """One image could not be used; `where` is the field the client sent it as."""
+
+    def __init__(self, where: str, reason: str):
+        super().__init__(f"Invalid image in '{where}': {reason}.")
+        self.where = where
 
 
 class ImagesAbandoned(ImageError):
@@ -50,14 +59,15 @@ class ImageBytesLimit(ImageError):
 
 
 def image_urls(messages: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
-    """(where, url) of every image part in prompt order (message order, then part order)."""
+    """(where, url) of every image part in prompt order (message order, then part order); `where` is the field
+    the client sent it as (messages[i].content[j], or what an Ollama / Responses request called it)."""
     out = []
     for i, msg in enumerate(messages):
         content = msg.get("content")
         if isinstance(content, list):
             for j, part in enumerate(content):
                 if isinstance(part, dict) and part.get("type") == "image_url":
-                    out.append((f"messages[{i}].content[{j}]", part["image_url"]["url"]))
+                    out.append((part_param(part, f"messages[{i}].content[{j}]"), part["image_url"]["url"]))
     return out
 
 
@@ -160,5 +170,5 @@ def prepare_images(processor: ImageProcessor, image_token_id: int, prompt_ids: l
         except ImageBytesLimit:
             raise ImageBytesLimit(body_limit) from None
         except ImageError as e:
-            raise ImageError(f"Invalid image in '{where}': {e}.") from None
+            raise InvalidImage(where, str(e)) from None
     return expand_image_pads(prompt_ids, image_token_id, [p.num_tokens for p in patches]), patches

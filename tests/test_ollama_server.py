@@ -155,6 +155,10 @@ def test_errors_in_ollama_shape(client, server):
         client.chat(model=name(server), messages=[{"role": "user", "content": "x"}],
                     options={"num_ctx": 8})
     assert e.value.status_code == 400 and "num_ctx" in e.value.error
+    for n in (-5, -3, 0):   # Ollama's -1 (until the model stops) and -2 (fill the context) only; -5 ran unbounded
+        with pytest.raises(ollama.ResponseError) as e:
+            client.chat(model=name(server), messages=[{"role": "user", "content": "x"}], options={"num_predict": n})
+        assert e.value.status_code == 400 and f"'options.num_predict': {n}" in e.value.error, e.value.error
     with pytest.raises(ollama.ResponseError) as e:
         client.generate(model=name(server), prompt="x", images=[base64.b64encode(b"png").decode()])
     assert e.value.status_code == 400 and "images" in e.value.error
@@ -209,3 +213,11 @@ def test_image_on_tiny_qwen3_vl_matches_the_openai_route(tmp_path_factory):
         text_only = c.chat(model="vl", messages=[{"role": "user", "content": "Describe."}],
                            options={"temperature": 0, "num_predict": 1})
         assert r.prompt_eval_count > text_only.prompt_eval_count + 4     # the image's tokens
+        # a bad image is named as the client sent it (the images list), not as our internal content part
+        with pytest.raises(ollama.ResponseError) as e:
+            c.chat(model="vl", messages=[{"role": "system", "content": "Be brief."},
+                                         {"role": "user", "content": "Describe.", "images": [png, b"not a picture"]}])
+        assert e.value.status_code == 400 and "'messages[1].images[1]'" in e.value.error, e.value.error
+        with pytest.raises(ollama.ResponseError) as e:
+            c.generate(model="vl", system="Be brief.", prompt="Describe.", images=[b"not a picture"])
+        assert e.value.status_code == 400 and "Invalid image in 'images[0]'" in e.value.error, e.value.error

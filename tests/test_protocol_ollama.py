@@ -44,6 +44,8 @@ def test_options_map_to_sampling_and_limits():
     ({"options": {"top_k": 1.5}}, "options.top_k"),
     ({"options": {"repeat_penalty": -1}}, "options.repeat_penalty"),
     ({"options": {"num_predict": 0}}, "options.num_predict"),
+    ({"options": {"num_predict": -5}}, "options.num_predict"),   # only -1 and -2 mean something (issue 22)
+    ({"options": {"num_predict": -3}}, "options.num_predict"),
     ({"options": {"num_ctx": 0}}, "options.num_ctx"),
     ({"options": {"stop": 3}}, "options.stop"),
     ({"options": []}, "options"),
@@ -54,7 +56,7 @@ def test_options_map_to_sampling_and_limits():
     ({"keep_alive": "soon"}, "keep_alive"),
     ({"model": ""}, "model"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}, "messages[0].images[0]"),  # as sent
     ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
 ])
 def test_bad_fields_are_400_naming_the_field(body, param):
@@ -73,7 +75,8 @@ def test_messages_images_tools_and_think():
         "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}).encode(),
         images_supported=True)
     m = o.request.messages
-    assert m[1]["content"] == [{"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+    assert m[1]["content"] == [{"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="},
+                                "_param": "messages[1].images[0]"},   # the field errors about it name
                                {"type": "text", "text": "what is this?"}]
     assert m[2]["tool_calls"][0]["function"] == {"name": "f", "arguments": {"a": 1}}
     assert m[2]["reasoning_content"] == "hmm" and m[3] == {"role": "tool", "content": "42", "name": "f"}

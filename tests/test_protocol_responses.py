@@ -58,7 +58,8 @@ def test_input_items_become_chat_messages():
         images_supported=True, context_length=4096)
     m = r.request.messages
     assert [x["role"] for x in m] == ["system", "user", "assistant", "tool", "assistant", "system"]
-    assert m[1]["content"][1] == {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    assert m[1]["content"][1] == {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"},
+                                  "_param": "input[0].content[1]"}   # the field errors about it name
     assert [c["function"]["name"] for c in m[2]["tool_calls"]] == ["f", "g"] and m[2]["reasoning_content"] == "hm"
     assert m[3] == {"role": "tool", "content": "42", "tool_call_id": "call_1"}
     assert r.request.max_tokens == 64 and r.request.sampling.temperature == 0.2

@@ -174,3 +174,11 @@ def test_input_image_on_tiny_qwen3_vl_matches_chat_completions(tmp_path_factory)
         assert r.usage.input_tokens == cc.usage.prompt_tokens and r.usage.output_tokens == cc.usage.completion_tokens
         text_only = c.responses.create(model="vl", temperature=0, max_output_tokens=16, input="Describe.")
         assert r.usage.input_tokens > text_only.usage.input_tokens + 4
+        # a bad image is named as the client sent it (input[0].content[1]), not as the chat message it became
+        with pytest.raises(openai.BadRequestError) as e:
+            c.responses.create(model="vl", instructions="Be brief.", input=[{"role": "user", "content": [
+                {"type": "input_text", "text": "Describe."},
+                {"type": "input_image", "image_url": "data:image/png;base64,bm90IGEgcGljdHVyZQ=="}]}])
+        err = e.value.body
+        assert err["code"] == "invalid_image" and err["param"] == "input", err
+        assert "Invalid image in 'input[0].content[1]'" in err["message"], err

@@ -5,6 +5,9 @@ Policies:
 - Content: a string, or a list of text parts joined with no separator (what the Qwen3-VL template does with a
   part list). Image parts are kept as parts only when the model takes images (issue 6); otherwise, and for any
   other non-text part, the request is a 400 naming the part.
+- A part made by another API's converter (Ollama's `images`, Responses' `input_image`) carries the field the
+  client sent it as (PART_PARAM: `messages[0].images[0]`, `input[0].content[1]`); errors about the part, here
+  and when its image is decoded (image_inputs.py), name that field, never our internal `content[j]`.
 - Assistant turns may carry tool_calls (then content may be null) and reasoning_content (the template puts it
   back inside <think>); tool turns carry the tool's output as content.
 """
@@ -16,6 +19,13 @@ from appliance.protocol.fields import check_type, get, invalid, require
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 IMAGE_PART_TYPES = ("image_url",)
+PART_PARAM = "_param"   # key of a converted part: the client's name for it
+
+
+def part_param(part: dict[str, Any], default: str) -> str:
+    """The client's name for a content part: the one a converter recorded, else `default`."""
+    given = part.get(PART_PARAM)
+    return given if isinstance(given, str) else default
 
 
 def _content(msg: dict[str, Any], p: str, role: str, images_supported: bool) -> str | list[dict[str, Any]]:
@@ -33,6 +43,7 @@ def _content(msg: dict[str, Any], p: str, role: str, images_supported: bool) -> 
     for j, part in enumerate(c):
         pp = f"{p}.content[{j}]"
         check_type(part, "object", pp)
+        pp = part_param(part, pp)
         kind = require(part, "type", "string", f"{pp}.type")
         if kind == "text":
             parts.append({"type": "text", "text": require(part, "text", "string", f"{pp}.text")})
@@ -46,6 +57,8 @@ def _content(msg: dict[str, Any], p: str, role: str, images_supported: bool) -> 
             image = require(part, "image_url", "object", f"{pp}.image_url")
             url = require(image, "url", "string", f"{pp}.image_url.url")
             parts.append({"type": "image_url", "image_url": {"url": url}})
+            if PART_PARAM in part:
+                parts[-1][PART_PARAM] = pp
             has_image = True
         else:
             raise invalid(pp, f"Invalid content part type '{kind}' in '{pp}': only 'text'"

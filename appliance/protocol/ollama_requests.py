@@ -7,8 +7,8 @@ Policies:
   `thinking`, `tool_name`) -> OpenAI's shape, then the same normalize_messages as /v1/chat/completions. A
   message's images come before its text (one image_url part each, as a data: URI).
 - options -> sampling: temperature, top_p, top_k, min_p, seed, presence_penalty, frequency_penalty,
-  repeat_penalty (-> repetition_penalty), stop, num_predict (-1 and -2: up to the context), num_ctx (a smaller
-  context for this request; larger is capped at the model's).
+  repeat_penalty (-> repetition_penalty), stop, num_predict (-1 and -2: up to the context; 0 and other
+  negatives are a 400), num_ctx (a smaller context for this request; larger is capped at the model's).
 - think: true / a level string -> the template's enable_thinking on; false -> off; absent -> the template's
   default. Thinking is always split into the `thinking` field (newer Ollama's behaviour).
 - format: "json" (any JSON object) or a JSON schema -> the request's output_format (constrained decoding, the
@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 from appliance.protocol.errors import ApiError
 from appliance.protocol.fields import check_type, get, invalid, load_json_object
-from appliance.protocol.messages import normalize_messages, normalize_tools
+from appliance.protocol.messages import PART_PARAM, normalize_messages, normalize_tools
 from appliance.protocol.requests import ChatRequest, _sampling
 from appliance.protocol.structured import OutputFormat, schema_format
 
@@ -64,7 +64,7 @@ def _images(v: Any, param: str) -> list[dict[str, Any]]:
     parts = []
     for i, img in enumerate(imgs):
         check_type(img, "string", f"{param}[{i}]")
-        parts.append({"type": "image_url", "image_url": {"url": image_data_uri(img)}})
+        parts.append({"type": "image_url", "image_url": {"url": image_data_uri(img)}, PART_PARAM: f"{param}[{i}]"})
     return parts
 
 
@@ -158,10 +158,12 @@ def _options(data: Mapping[str, Any], defaults: Mapping[str, Any] | None, contex
             num_ctx = min(num_ctx, context_length)
     limit = num_ctx or context_length
     n = get(opts, "num_predict", "integer", "options.num_predict")
-    if n is not None and n < 0:
+    if n in (-1, -2):
         n = None                            # -1: until the model stops, -2: fill the context
-    elif n == 0:
-        raise invalid("options.num_predict", "'options.num_predict' must not be 0.", code="invalid_value")
+    elif n is not None and n <= 0:
+        raise invalid("options.num_predict", f"Invalid 'options.num_predict': {n}. Use a positive number of tokens, "
+                                             f"-1 (until the model stops) or -2 (fill the context).",
+                      code="invalid_value")
     if n is not None and limit is not None:
         n = min(n, limit)                   # Ollama stops at the context; we do the same
     stop_v = opts.get("stop")

@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 from appliance.protocol.errors import ApiError
 from appliance.protocol.fields import check_type, get, invalid, load_json_object, require
-from appliance.protocol.messages import normalize_messages, normalize_tools
+from appliance.protocol.messages import PART_PARAM, normalize_messages, normalize_tools
 from appliance.protocol.requests import ChatRequest, _sampling
 from appliance.protocol.structured import OutputFormat, parse_response_format, parse_tool_choice, schema_format
 
@@ -53,7 +53,7 @@ def _text_of(parts: list, p: str, allowed: tuple[str, ...]) -> str | list[dict[s
             if url is None:
                 raise invalid(f"{pp}.image_url", f"'{pp}' needs an 'image_url' (a data: URI); file_id is not "
                                                  f"supported.", code="unsupported_value")
-            out.append({"type": "image_url", "image_url": {"url": url}})
+            out.append({"type": "image_url", "image_url": {"url": url}, PART_PARAM: pp})
         else:
             out.append({"type": "text", "text": require(part, "refusal" if kind == "refusal" else "text", "string",
                                                         f"{pp}.text")})
