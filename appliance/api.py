@@ -11,8 +11,10 @@ Policies:
   never on the event loop, and tokenization releases the GIL. A prompt proven to be longer than the context
   (by its bytes, or by the tokens of a prefix: engine/token_bounds.py) is refused after tokenizing about a
   context's worth of it, so a 4 MB body costs neither seconds of tokenizer work nor its memory.
-- /metrics counts every request: one that ends because its client left is counted with code 499 (nginx's
-  "client closed request"); a queued request that never ran is also in kestrel_queue_abandoned_total.
+- /metrics counts every request with the status it ended with (Exchange.outcome, recorded once the last byte is
+  written, so a client closing right after reading is not "gone"): one that ends because its client left before
+  is counted with code 499 (nginx's "client closed request"); a queued request that never ran is also in
+  kestrel_queue_abandoned_total.
 - A stream's status line, SSE headers and first event (the chat role frame) go out before queueing and
   prefill; while queued it gets SSE comments; then one event per TokenEvent that releases text, the finish
   chunk (with timings), the usage chunk if asked, the extension events if asked, and `data: [DONE]`.
@@ -55,8 +57,6 @@ from .protocol.reasoning import prompt_ends_in_reasoning
 from .protocol.requests import parse_chat_request, parse_completion_request
 from .protocol.sse import JSON_CONTENT_TYPE, json_bytes
 from .worker import NotReady, QueueFull, ShuttingDown, Worker
-
-CLIENT_CLOSED = 499  # the status /metrics records for a request whose client went away (nginx's convention)
 
 
 @dataclass
@@ -108,7 +108,6 @@ class Api:
     async def __call__(self, ex: Exchange) -> None:
         path = ex.path.rstrip("/") or "/"
         endpoint = path if path in self.routes else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
-        counted = False
         try:
             handlers = self.routes.get(path)
             if handlers is None and path.startswith("/v1/models/"):
@@ -116,33 +115,24 @@ class Api:
             if handlers is None:
                 raise not_found(ex.path)
             if ex.method == "OPTIONS":
-                return await self._respond(ex, endpoint, 204, b"", self._preflight_headers(ex))
+                return await ex.respond(204, self._preflight_headers(ex) + self.cors_headers(), b"")
             handler = handlers.get(ex.method)
             if handler is None:
                 raise method_not_allowed(ex.method, path, tuple(handlers) + ("OPTIONS",))
             if path not in OPEN_PATHS and not path.startswith("/v1/models/"):
                 self._check_key(ex)
             await handler(ex)
-            self.requests[(endpoint, ex.status)] += 1
-            counted = True
         except ApiError as e:
             if e.status == 429:
                 self.rejected += 1
+            ex.notes["error"] = e.message
             if ex.response_started:  # an HTTP-level error after a stream began cannot be reported
                 raise
-            counted = True
             body = ollama_error_body(e) if is_ollama_path(path) else error_body(e)
-            await self._respond(ex, endpoint, e.status, body,
-                                [(b"Content-Type", JSON_CONTENT_TYPE)] + list(e.headers))
-        finally:
-            if not counted:  # client gone, cut by shutdown, or a failure the server answers
-                status = CLIENT_CLOSED if ex.peer_gone else 503 if ex.cut else ex.status or 500
-                self.requests[(endpoint, status)] += 1
-
-    async def _respond(self, ex: Exchange, endpoint: str, status: int, body: bytes,
-                       headers: list[tuple[bytes, bytes]]) -> None:
-        self.requests[(endpoint, status)] += 1
-        await ex.respond(status, headers + self.cors_headers(), body)
+            await ex.respond(e.status, [(b"Content-Type", JSON_CONTENT_TYPE)] + list(e.headers) + self.cors_headers(),
+                             body)
+        finally:  # what it really ended with: sent whole, client gone (499), cut by shutdown, or a failure (500)
+            self.requests[(endpoint, ex.outcome)] += 1
 
     async def send_json(self, ex: Exchange, obj: Any, status: int = 200) -> None:
         await ex.respond(status, [(b"Content-Type", JSON_CONTENT_TYPE)] + self.cors_headers(), json_bytes(obj))

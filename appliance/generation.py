@@ -62,6 +62,7 @@ class Generation:
     async def run(self, ex: Any, ticket: Ticket, t_arrival: float | None = None) -> None:
         stream = self.req.stream
         t_arrival = time.perf_counter() if t_arrival is None else t_arrival
+        ex.notes["prompt_tokens"] = len(self.prompt_ids)
         async with ticket:
             async with trio.open_nursery() as nursery:
                 if stream:
@@ -79,15 +80,15 @@ class Generation:
                     self._phase = "prefill"
                     finish, failure = await self._generate(ex, ticket)
                     # until the engine thread took the job: its turn, then the previous job's after-request work
-                    queue_ms = (ticket.trace.started - t_arrival) * 1000.0
+                    queue_ms = ex.notes["queue_ms"] = (ticket.trace.started - t_arrival) * 1000.0
                 ticket.finished()
                 self._keepalive_scope.cancel()
         if finish is None:
             return await self._fail(ex, failure)
         stats = GenerationStats.from_finish(finish, queue_ms)
-        log.info("%s %s: %s, prompt %d (%d reused) + completion %d tokens, queued %.0f ms, ttft %.0f ms, %.1f tok/s",
-                 ex.path, "stream" if stream else "json", finish.reason, stats.prompt_tokens, stats.cached_tokens,
-                 stats.completion_tokens, stats.queue_ms, stats.ttft_ms, stats.tok_s)
+        ex.notes.update(prompt_tokens=stats.prompt_tokens, cached_tokens=stats.cached_tokens,
+                        completion_tokens=stats.completion_tokens, ttft_ms=stats.ttft_ms, tok_s=stats.tok_s,
+                        finish=finish.reason)  # the request's access-log line (h11_server)
         if not stream:
             body = self.out.response(finish.reason, finish.text, stats, completion_ids=finish.token_ids)
             return await ex.respond(200, [(b"Content-Type", JSON_CONTENT_TYPE)] + self._headers, json_bytes(body))
@@ -131,6 +132,7 @@ class Generation:
         else:
             log.error("generation failed: %r", error, exc_info=error)
             err = internal_error()
+        ex.notes["error"] = err.message
         if not ex.response_started:
             raise err
         async with self._send_lock:

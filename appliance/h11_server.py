@@ -18,6 +18,11 @@ Policies:
   connection closes.
 - The application is one coroutine `app(exchange)`; it sees an Exchange (request head, read_body, respond,
   start_stream/send/end_stream), never a socket.
+- A response is marked complete as soon as its last byte is written, before any cancel (a client that read it
+  and closed at once) can interrupt the handler: Exchange.outcome is the status it really ended with.
+- One access-log line per request (protocol/access_log.py) when it has ended, whatever way: the application
+  adds its notes (tokens, queue wait, the error's reason) to `Exchange.notes`; malformed request heads get one
+  too.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import errno
 import logging
 import math
 import sys
+import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 from urllib.parse import unquote
@@ -35,14 +41,17 @@ import trio
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
+from .protocol.access_log import access_level, access_line, peer_name, request_id
 from .protocol.errors import ApiError, body_too_large, error_body, internal_error, server_shutdown
 
 log = logging.getLogger("appliance.server")
+access_log = logging.getLogger("appliance.access")
 
 RECV_SIZE = 65536
 LINGER_S = 2.0                 # lingering close after an unread request body
 LINGER_BYTES = 64 * 1024 * 1024
 CUT_S = 1.0                    # past the grace period: time to write the cut responses' last bytes
+CLIENT_CLOSED = 499            # the outcome of a request whose client left before its response was whole (nginx)
 
 
 @dataclass
@@ -88,6 +97,10 @@ class Exchange:
         self.status: int | None = None
         self.complete = False
         self.stream_error: Callable[[ApiError], bytes] | None = None  # a started body's last bytes on a cut
+        self.started = time.perf_counter()
+        self.request_id = request_id(self.headers.get("x-request-id"))
+        self.notes: dict[str, object] = {}   # the application's additions to the access-log line
+        self._bytes_before = conn.bytes_out
 
     def header(self, name: str, default: str | None = None) -> str | None:
         return self.headers.get(name.lower(), default)
@@ -104,6 +117,18 @@ class Exchange:
     def cut(self) -> bool:
         """The server cut this request at shutdown."""
         return self._conn.cut
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._conn.bytes_out - self._bytes_before
+
+    @property
+    def outcome(self) -> int:
+        """The status the request ended with: the one sent when the response went out whole, else 499 when the
+        client left, 503 when the server cut it at shutdown, else the one sent (500: none was)."""
+        if self.complete:
+            return self.status or 500
+        return CLIENT_CLOSED if self.peer_gone else 503 if self.cut else self.status or 500
 
     async def read_body(self, limit: int | None = None) -> bytes:
         conn = self._conn
@@ -132,26 +157,32 @@ class Exchange:
     async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes,
                       reason: bytes | None = None) -> None:
         headers = list(headers) + [(b"Content-Length", str(len(body)).encode("ascii"))]
-        await self.start_stream(status, headers, reason)
+        await self._start(status, headers, reason)  # no checkpoint until it is all written and marked complete
         if body and self.method != "HEAD":  # a HEAD response has the headers of the GET one and no body
-            await self.send(body)
+            await self._conn.send(h11.Data(data=body), checkpoint=False)
         await self.end_stream()
 
     async def start_stream(self, status: int, headers: list[tuple[bytes, bytes]], reason: bytes | None = None
                            ) -> None:
+        await self._start(status, headers, reason)
+        await trio.lowlevel.checkpoint_if_cancelled()
+
+    async def _start(self, status: int, headers: list[tuple[bytes, bytes]], reason: bytes | None) -> None:
         self.response_started = True
         self.status = status
         self._conn._skip_buffered_body()
         if self._conn.h11.their_state is h11.SEND_BODY:  # the body stays unread: this connection ends here
             headers = list(headers) + [(b"Connection", b"close")]
-        await self._conn.send(h11.Response(status_code=status, headers=headers, reason=reason or _reason(status)))
+        await self._conn.send(h11.Response(status_code=status, headers=headers, reason=reason or _reason(status)),
+                              checkpoint=False)
 
     async def send(self, data: bytes) -> None:
         await self._conn.send(h11.Data(data=data))
 
     async def end_stream(self) -> None:
-        await self._conn.send(h11.EndOfMessage())
-        self.complete = True
+        await self._conn.send(h11.EndOfMessage(), checkpoint=False)
+        self.complete = True  # before the checkpoint: the client may close the moment it has read the end
+        await trio.lowlevel.checkpoint_if_cancelled()
 
 
 App = Callable[[Exchange], Awaitable[None]]
@@ -174,6 +205,12 @@ class _Connection:
         self.cut = False                   # the server cut this connection's request at shutdown
         self._write_deadline = math.inf    # no write may block past this (set at the cut)
         self._write_scope: trio.CancelScope | None = None
+        self.bytes_out = 0
+        self.exchange: Exchange | None = None   # the request being served
+        try:
+            self.client = peer_name(stream.socket.getpeername())
+        except (OSError, AttributeError):
+            self.client = ""
 
     # ---- reading ---------------------------------------------------------------------------------------
     async def _read_loop(self) -> None:
@@ -243,8 +280,9 @@ class _Connection:
                     return None
                 names = {k for k, _ in ev.headers}
                 if b"content-length" in names and b"transfer-encoding" in names:  # RFC 9112 6.3: smuggling
+                    self.exchange = Exchange(self, ev)
                     await self._send_error(ApiError(400, "Malformed HTTP request: both Content-Length and "
-                                                         "Transfer-Encoding.", code="bad_http"))
+                                                         "Transfer-Encoding.", code="bad_http"), self.exchange)
                     return None
                 return ev
             if ev is not h11.NEED_DATA:  # ConnectionClosed, PAUSED
@@ -260,7 +298,7 @@ class _Connection:
             return None
 
     # ---- writing ---------------------------------------------------------------------------------------
-    async def send(self, event) -> None:
+    async def send(self, event, checkpoint: bool = True) -> None:
         data = self.h11.send(event)
         if not data:
             return
@@ -276,7 +314,9 @@ class _Connection:
         if broken or scope.cancelled_caught:
             self.peer_gone = True
             raise PeerGone()
-        await trio.lowlevel.checkpoint_if_cancelled()
+        self.bytes_out += len(data)
+        if checkpoint:
+            await trio.lowlevel.checkpoint_if_cancelled()
 
     def cut_request(self, deadline: float) -> None:
         """Shutdown past the grace period: end the running request now; writes stop at `deadline`."""
@@ -295,7 +335,7 @@ class _Connection:
         err = server_shutdown()
         with trio.CancelScope(shield=True):
             if not exchange.response_started:
-                return await self._send_error(err)
+                return await self._send_error(err, exchange)
             if self.h11.our_state is not h11.SEND_BODY:
                 return
             try:
@@ -306,18 +346,49 @@ class _Connection:
             except (PeerGone, h11.LocalProtocolError):
                 pass
 
-    async def _send_error(self, err: ApiError) -> None:
+    async def _send_error(self, err: ApiError, exchange: Exchange | None = None) -> None:
+        """An error response that closes the connection: for `exchange`'s request, or (None) for a request head
+        that could not be read, which gets its access-log line here."""
+        started = time.perf_counter()
+        before = self.bytes_out
+        if exchange is not None:
+            exchange.notes.setdefault("error", err.message)
         if self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             return
         body = error_body(err)
         headers = [(b"Content-Type", b"application/json"), (b"Content-Length", str(len(body)).encode()),
                    (b"Connection", b"close")] + list(err.headers)
         try:
-            await self.send(h11.Response(status_code=err.status, headers=headers, reason=_reason(err.status)))
-            await self.send(h11.Data(data=body))
-            await self.send(h11.EndOfMessage())
+            if exchange is not None:
+                exchange.status = err.status
+            await self.send(h11.Response(status_code=err.status, headers=headers, reason=_reason(err.status)),
+                            checkpoint=False)
+            await self.send(h11.Data(data=body), checkpoint=False)
+            await self.send(h11.EndOfMessage(), checkpoint=False)
+            if exchange is not None:
+                exchange.complete = True
         except (PeerGone, h11.LocalProtocolError):
             pass
+        if exchange is None:
+            self._log_access("-", "-", err.status, self.bytes_out - before, time.perf_counter() - started,
+                             request_id(None), {"error": err.message}, self.peer_gone)
+
+    def _log_access(self, method: str, path: str, status: int | None, sent: int, duration_s: float, rid: str,
+                    notes: dict, gone: bool, cut: bool = False) -> None:
+        level = access_level(method, path, status, gone)
+        if access_log.isEnabledFor(level):
+            access_log.log(level, "%s", access_line(method=method, path=path, status=status, bytes_sent=sent,
+                                                    duration_s=duration_s, rid=rid, client=self.client,
+                                                    notes=notes, client_gone=gone, cut=cut))
+
+    def _log_ended(self) -> None:
+        """The access-log line of the request that just ended (once)."""
+        ex, self.exchange = self.exchange, None
+        if ex is None:
+            return
+        gone = not ex.complete and self.peer_gone
+        self._log_access(ex.method, ex.path, ex.status, ex.bytes_sent, time.perf_counter() - ex.started,
+                         ex.request_id, ex.notes, gone, self.cut and not ex.complete)
 
     # ---- the request loop ------------------------------------------------------------------------------
 
@@ -328,6 +399,7 @@ class _Connection:
                 try:
                     await self._serve()
                 finally:
+                    self._log_ended()
                     nursery.cancel_scope.cancel()
         with trio.CancelScope(shield=True):
             await self._close()
@@ -339,7 +411,7 @@ class _Connection:
             self.idle = False
             if req is None:
                 return
-            exchange = Exchange(self, req)
+            exchange = self.exchange = Exchange(self, req)  # logged when it has ended (_log_ended)
             with trio.CancelScope() as scope:
                 self.request_scope = scope
                 if self.peer_gone:
@@ -350,7 +422,7 @@ class _Connection:
                     return
                 except ApiError as e:  # HTTP-level errors raised while reading (413, 408, malformed body)
                     if not exchange.response_started:
-                        await self._send_error(e)
+                        await self._send_error(e, exchange)
                     return
                 except BaseException as e:
                     if _only(e, (PeerGone, trio.Cancelled)) and not _only(e, trio.Cancelled):
@@ -362,7 +434,7 @@ class _Connection:
                     # a bug in the application: log it, answer 500 if we still can, close
                     log.exception("unhandled error in %s %s", exchange.method, exchange.path)
                     if not exchange.response_started:
-                        await self._send_error(internal_error())
+                        await self._send_error(internal_error(), exchange)
                     return
             self.request_scope = None
             self.served += 1
@@ -375,6 +447,7 @@ class _Connection:
             if self.overflow or self.h11.our_state is not h11.DONE or self.h11.their_state is not h11.DONE:
                 return
             self.h11.start_next_cycle()
+            self._log_ended()
 
     def _skip_buffered_body(self) -> None:
         """Consume the rest of a request body the application did not read (a GET's empty one, or a body
