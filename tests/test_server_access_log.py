@@ -14,11 +14,10 @@ import json
 import re
 import signal
 import socket
-import threading
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.live_server import RawClient, chat_body, request_bytes
+from tests.support.live_server import RawClient, chat_body, drain_stderr, request_bytes
 
 N = 50
 ACCESS = re.compile(r" (DEBUG|INFO|WARNING) appliance\.access: (\S+) (\S+) (\S+) (.*)$")
@@ -52,7 +51,7 @@ def read_then_close(port: int, method: str, path: str, body: dict | bytes | None
 
 def test_fully_read_responses_are_counted_with_their_status(tiny_qwen3_tied, cli_server):
     proc, port = cli_server(tiny_qwen3_tied)
-    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+    drain_stderr(proc)
     before = requests_total(port)
     for _ in range(N):
         assert read_then_close(port, "GET", "/health")[0] == 200

@@ -15,7 +15,7 @@ import json
 import threading
 import time
 
-from tests.support.live_server import RawClient, request_bytes
+from tests.support.live_server import RawClient, drain_stderr, request_bytes
 
 TEXT = "a " * 450_000
 BODIES = {"/v1/chat/completions": {"model": "m", "messages": [{"role": "user", "content": TEXT}]},
@@ -60,7 +60,7 @@ def post(port: int, path: str, body: bytes) -> tuple[int, bytes]:
 
 def test_long_prompts_are_refused_without_stalling_the_loop(tiny_qwen3_tied, cli_server):
     proc, port = cli_server(tiny_qwen3_tied)
-    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # never a full pipe
+    drain_stderr(proc)
     quiet = []
     for _ in range(20):
         quiet.append(health_latency(port))

@@ -277,6 +277,20 @@ def start_cli_server(model: str, *extra: str, timeout: float = 120.0, **popen) -
         raise
 
 
+def drain_stderr(proc: subprocess.Popen) -> threading.Thread:
+    """Read a server process's stderr away in a daemon thread (its access log would fill the pipe of a test that
+    makes many requests and reads nothing) until it closes."""
+    def drain():
+        try:
+            for _ in proc.stderr:
+                pass
+        except (OSError, ValueError):  # closed by the fixture's teardown
+            pass
+    t = threading.Thread(target=drain, daemon=True)
+    t.start()
+    return t
+
+
 def wait_healthy(port: int, timeout: float, proc=None) -> bool:
     """Poll GET /health on a server started as a process until it answers 200 (a refused connection or a 503 while
     the model loads: not yet). False when `proc` (a Popen) exits first or `timeout` seconds pass."""
