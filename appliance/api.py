@@ -194,7 +194,7 @@ class Api:
             raise ApiError(404, f"The model '{wanted}' does not exist.", param="model", code="model_not_found")
         await self.send_json(ex, model_list([self.cfg.model_name], self.created)["data"][0])
 
-    def metric_values(self) -> dict[str, Any]:
+    def metric_values(self, open_connections: int | None = None) -> dict[str, Any]:
         w, s = self.worker, self.worker.stats
         loaded = w.loaded
         return {
@@ -218,11 +218,12 @@ class Api:
             "kestrel_busy": w.busy,
             "kestrel_ready": w.state == "ready",
             "kestrel_context_length": loaded.context_length if loaded is not None else 0,
+            **({} if open_connections is None else {"kestrel_open_connections": open_connections}),
         }
 
     async def metrics(self, ex: Exchange) -> None:
         await ex.respond(200, [(b"Content-Type", prometheus.CONTENT_TYPE)] + self.cors_headers(),
-                         prometheus.render_metrics(self.metric_values()))
+                         prometheus.render_metrics(self.metric_values(ex.open_connections)))
 
     # ---- generation endpoints --------------------------------------------------------------------------
     async def chat(self, ex: Exchange) -> None:

@@ -130,6 +130,11 @@ class Exchange:
             return self.status or 500
         return CLIENT_CLOSED if self.peer_gone else 503 if self.cut else self.status or 500
 
+    @property
+    def open_connections(self) -> int:
+        """The server's client connections now (accepted, socket not yet closed), this one included."""
+        return len(self._conn.server.connections)
+
     async def read_body(self, limit: int | None = None) -> bytes:
         conn = self._conn
         limit = conn.cfg.max_body if limit is None else limit

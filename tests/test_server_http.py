@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
+import struct
 import threading
 import time
 
@@ -270,3 +272,30 @@ def test_failed_write_beside_cancelled_tasks_closes_the_connection_quietly(caplo
         trio.run(main)
     assert closed == [True]
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], caplog.text
+
+
+def test_metrics_count_open_connections(tiny_qwen3_tied):
+    """kestrel_open_connections: the client connections open now (idle keep-alive ones too), the one asking
+    included; a connection the client ends (FIN or reset) leaves the count. The mixed load waits on it before
+    measuring the idle server's fds (tests/system/mixed_load.py)."""
+    def open_connections(c: RawClient) -> float:
+        c.send(request_bytes("GET", "/metrics"))
+        r = c.read_head()
+        m = re.search(r"^kestrel_open_connections (\d+)$", c.read_body(r).decode(), re.M)
+        return float(m.group(1)) if m else float("nan")
+
+    with LiveServer(tiny_qwen3_tied) as server:  # the default keep-alive timeout (15 s): nothing ends by itself
+        asker = RawClient(server.port, timeout=10)
+        assert open_connections(asker) == 1
+        others = [RawClient(server.port, timeout=10) for _ in range(3)]
+        for c in others[:2]:  # served, then idle on keep-alive
+            c.send(request_bytes("GET", "/health"))
+            assert c.read_head().status == 200
+        server.wait_for(lambda: open_connections(asker) == 4, timeout=10, what="4 connections")  # the 3rd: accepted
+        others[0].close()
+        others[1].sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset
+        others[1].close()
+        server.wait_for(lambda: open_connections(asker) == 2, timeout=10, what="the closed ones gone")
+        others[2].close()
+        server.wait_for(lambda: open_connections(asker) == 1, timeout=10, what="only the one asking")
+        asker.close()

@@ -35,6 +35,8 @@ METRICS: dict[str, tuple[str, str]] = {
     "kestrel_busy": ("gauge", "1 while the engine is generating, else 0."),
     "kestrel_ready": ("gauge", "1 once the model is loaded."),
     "kestrel_context_length": ("gauge", "Context length of the loaded model, in tokens."),
+    "kestrel_open_connections": ("gauge", "Client connections open (keep-alive ones included), the one reading "
+                                          "this included."),
 }
 
 
