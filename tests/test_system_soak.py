@@ -31,6 +31,7 @@ def test_random_disconnects_leave_rss_fds_threads_flat(server):
     assert end["rss_mb"] - start["rss_mb"] < 32, r
     assert end["fds"] <= start["fds"] + 2, r
     assert end["threads"] <= start["threads"] + 2, r
+    assert r["settled"]["settled"], r  # every connection ended on the server's side too
     assert r["worst_next_request_s"] < 5, r
     assert len(r["by_kind"]) == 6, r  # queued/prefill/decode x FIN/RST all happened
 

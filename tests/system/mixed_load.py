@@ -13,7 +13,13 @@ tests/test_system_soak.py for ~25 s.
   failure), /metrics every 5 s (at the end: the event loop's lag, no 5xx counted server-side), the server's RSS,
   fds and threads every 3 s.
 - Flat: RSS, fds and threads of the idle server (its prefix cache bounded by CACHE_RAM_MB) after a warm-up and
-  after the load, each taken IDLE_S after the last request (trio's idle worker threads exit after 10 s), within RSS_SLACK_MB / FD_SLACK / THREAD_SLACK.
+  after the load, within RSS_SLACK_MB / FD_SLACK / THREAD_SLACK. Each is taken IDLE_S after the last request
+  (trio's idle worker threads exit after 10 s) and once no client connection is left (monitor.settle, up to
+  SETTLE_S): /metrics' kestrel_open_connections counts only the one asking, and the process holds no socket
+  but its listener and unix sockets (monitor.fd_kinds). A connection a client leaves open ends at the server's
+  15 s keep-alive timeout; a closed one goes within milliseconds, even on a loaded machine. A socket still
+  there after SETTLE_S with the server counting no connection is a leaked descriptor; a connection still
+  counted is one that never ends: both fail.
 - At the end the server must answer a request with an image, then exit 0 on SIGTERM (the time is reported).
 """
 from __future__ import annotations
@@ -35,7 +41,8 @@ from typing import Any, Callable
 from tests.support.live_server import RawClient, request_bytes
 from tests.support.tiny_vl import image_bytes
 from tests.system import wellformed as wf
-from tests.system.monitor import HEALTH_MAX_S, RESPONSE_TIMEOUT_S, Monitor, get, metric, server_5xx, usage
+from tests.system.monitor import (HEALTH_MAX_S, RESPONSE_TIMEOUT_S, SETTLE_S, Monitor, get, metric, server_5xx,
+                                  settle, usage)
 from tests.system.sigterm_cycles import start
 
 IDLE_S = 12.0
@@ -352,6 +359,8 @@ def sdk_ollama(load: Load, rng: random.Random) -> None:
         status, problem = e.status_code, None if e.status_code == 429 else f"status {e.status_code}: {e.error}"
     except Exception as e:
         status, problem = "error", f"{type(e).__name__}: {e}"
+    finally:  # else its keep-alive connection stays open until the client is collected (or the server's timeout)
+        client.close()
     load.record("sdk/ollama", status, problem, time.perf_counter() - t0)
     if status == 429:
         back_off()
@@ -388,9 +397,12 @@ def drive(load: Load, seconds: float, threads: int, seed: int) -> int:
     return sum(t.is_alive() for t in workers)
 
 
-def idle_usage(pid: int) -> dict:
+def idle_usage(port: int, pid: int) -> dict:
+    """usage(pid) of the idle server, IDLE_S after the last request and once no client connection is left
+    (monitor.settle: its fds by kind, and "settled" False if that took longer than SETTLE_S)."""
     time.sleep(IDLE_S)
-    return usage(pid)
+    settled = settle(port, SETTLE_S, pid)
+    return dict(usage(pid), **settled)
 
 
 def run(model: str, seconds: float, threads: int = 6, queue: int = 4, pool: int = 24, seed: int = 16,
@@ -414,14 +426,14 @@ def run(model: str, seconds: float, threads: int = 6, queue: int = 4, pool: int 
             attempt(kind, warmup, rng)
         stuck = drive(warmup, warmup_s, threads, seed + 1)
         report["warmup"] = outcomes(warmup, stuck)
-        report["idle_start"] = idle_usage(proc.pid)
+        report["idle_start"] = idle_usage(port, proc.pid)
         load = Load(port, images, queue)
         with Monitor(port, proc.pid, health_max_s) as mon:
             t0 = time.monotonic()
             stuck = drive(load, seconds, threads, seed + 2)
             report["load_s"] = round(time.monotonic() - t0, 1)
         report.update(outcomes(load, stuck), **mon.summary())
-        report["idle_end"] = idle_usage(proc.pid)
+        report["idle_end"] = idle_usage(port, proc.pid)
         status, body = get(port, "/metrics")
         text = body.decode()
         report["loop_lag_max_s"] = metric(text, "kestrel_event_loop_lag_max_seconds")
@@ -474,6 +486,10 @@ def problems(r: dict) -> list[str]:
     if not sum(c.get("burst_429", 0) for c in bursts):
         out.append(f"no burst overflowed the queue: {bursts}")
     a, b = r.get("idle_start"), r.get("idle_end")
+    for when, u in (("warm-up", a), ("load", b)):
+        if u and not u["settled"]:
+            out.append(f"connections left {SETTLE_S:.0f} s after the {when} (server counts "
+                       f"{u['open_connections']} with /metrics' own, fds {u['fd_kinds']})")
     if not a or not b or b["rss_mb"] - a["rss_mb"] > RSS_SLACK_MB or b["fds"] > a["fds"] + FD_SLACK or \
             b["threads"] > a["threads"] + THREAD_SLACK:
         out.append(f"idle RSS/fds/threads not flat: {a} -> {b}")

@@ -2,6 +2,7 @@
 threads (tests/system/mixed_load.py)."""
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -13,6 +14,7 @@ from tests.support.live_server import RawClient, request_bytes
 RESPONSE_TIMEOUT_S = 60.0
 HEALTH_PERIOD_S, HEALTH_MAX_S = 0.5, 2.0
 METRICS_PERIOD_S, SAMPLE_PERIOD_S = 5.0, 3.0
+SETTLE_S = 30.0  # a connection a client left open ends at the server's keep-alive timeout (15 s)
 
 
 def get(port: int, path: str) -> tuple[int, bytes]:
@@ -30,6 +32,51 @@ def usage(pid: int) -> dict:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     return {"rss_mb": round(rss / 2**20, 1), "fds": len(os.listdir(f"/proc/{pid}/fd")),
             "threads": len(os.listdir(f"/proc/{pid}/task"))}
+
+
+def fd_kinds(pid: int) -> dict:
+    """The process's fds by what they are: "listener" (a TCP socket in LISTEN), "unix" (unix sockets: trio's
+    wake-up pairs), "connection" (every other socket: TCP in any other state, CLOSE_WAIT and lingering ones
+    included, and one already reset, which has left the TCP table but not the fd table), "pipe", "file", and
+    anonymous inodes by name ("eventpoll", "eventfd"...)."""
+    listening, unix = set(), set()
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            listening.update(fields[9] for fields in map(str.split, f.readlines()[1:]) if fields[3] == "0A")
+    with open(f"/proc/{pid}/net/unix") as f:
+        unix.update(fields[6] for fields in map(str.split, f.readlines()[1:]) if len(fields) > 6)
+    kinds: collections.Counter = collections.Counter()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inode = target[len("socket:["):-1]
+            kinds["listener" if inode in listening else "unix" if inode in unix else "connection"] += 1
+        elif target.startswith("anon_inode:"):
+            kinds[target[len("anon_inode:"):].strip("[]")] += 1
+        else:
+            kinds["pipe" if target.startswith("pipe:") else "file"] += 1
+    return dict(sorted(kinds.items()))
+
+
+def settle(port: int, timeout: float, pid: int | None = None) -> dict:
+    """Waits (up to timeout) until the server counts no client connection but the one asking
+    (kestrel_open_connections in /metrics) and, for a server process pid, holds no connection socket (a closed
+    connection's socket goes within milliseconds, even on a loaded machine). What it saw last: the count,
+    "settled", the seconds it took and pid's fd_kinds."""
+    t0 = time.monotonic()
+    while True:
+        status, body = get(port, "/metrics")
+        count = metric(body.decode(), "kestrel_open_connections") if status == 200 else float("nan")
+        time.sleep(0.1)  # the server closes that /metrics request's socket
+        kinds = fd_kinds(pid) if pid is not None else {}
+        settled = count == 1 and not kinds.get("connection")
+        if settled or time.monotonic() - t0 > timeout:
+            return dict({"fd_kinds": kinds} if pid is not None else {}, open_connections=count, settled=settled,
+                        settle_s=round(time.monotonic() - t0, 1))
+        time.sleep(0.4)
 
 
 def metric(text: str, name: str) -> float:

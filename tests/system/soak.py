@@ -7,7 +7,7 @@ test tier (tests/test_system_soak.py runs the same scenarios with small counts):
 
 - disconnects: random mid-stream disconnects while queued, in prefill and in decode, closed with FIN or RST;
   every 25th round checks that the next request is served at once; RSS, open fds and threads are compared
-  between the start (after a warm-up) and the end.
+  between the start (after a warm-up) and the end, each once the server counts no client connection left.
 - requests: generated HTTP + JSON requests (hypothesis strategies: OpenAI chat/completions bodies with
   valid and invalid fields, plus raw request lines, headers and bodies) against the same server; every one
   must get a well-formed response below 500 within the timeout (no crash, no hang, no 5xx).
@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from tests.support.live_server import LiveServer, RawClient, chat_body, request_bytes  # noqa: E402
-from tests.system.monitor import usage  # noqa: E402
+from tests.system.monitor import SETTLE_S, settle, usage  # noqa: E402
 
 RESPONSE_TIMEOUT_S = 30.0
 LONG_PROMPT = " ".join(f"word{i % 97}" for i in range(900))
@@ -94,6 +94,7 @@ def disconnect_soak(port: int, n: int, seed: int = 16) -> dict:
         disconnect_round(port, rng)
     served_at_once(port)
     time.sleep(1.0)
+    settle(port, SETTLE_S)
     start = usage(os.getpid())
     kinds: dict = {}
     worst_next = 0.0
@@ -104,8 +105,10 @@ def disconnect_soak(port: int, n: int, seed: int = 16) -> dict:
             worst_next = max(worst_next, served_at_once(port))
     worst_next = max(worst_next, served_at_once(port))
     time.sleep(1.0)
+    settled = settle(port, SETTLE_S)  # the last rounds' connections closed on the server's side too
     end = usage(os.getpid())
-    return {"disconnects": n, "by_kind": kinds, "start": start, "end": end, "worst_next_request_s": round(worst_next, 3)}
+    return {"disconnects": n, "by_kind": kinds, "start": start, "end": end, "settled": settled,
+            "worst_next_request_s": round(worst_next, 3)}
 
 
 # ---- generated requests ---------------------------------------------------------------------------------
@@ -260,7 +263,7 @@ def soak_in_process(args, report: dict) -> bool:
         if args.disconnects:
             d = report["disconnect_soak"] = disconnect_soak(server.port, args.disconnects)
             ok &= (d["end"]["rss_mb"] - d["start"]["rss_mb"] < 64 and d["end"]["fds"] <= d["start"]["fds"] + 4
-                   and d["end"]["threads"] <= d["start"]["threads"] + 4)
+                   and d["end"]["threads"] <= d["start"]["threads"] + 4 and d["settled"]["settled"])
         if args.requests:
             report["fuzz"] = fuzz(server.port, args.requests)
             ok &= report["fuzz"]["n_failures"] == 0
