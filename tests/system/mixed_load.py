@@ -52,8 +52,10 @@ REQUEST_IMAGES_B64 = 3_900_000  # the base64 of one request's images together (a
 GRACE_S = 1.0
 # The prefix cache keeps copies of earlier conversations up to --cache-ram (default: a quarter of the available
 # memory), so by design RSS grows with every new conversation until then (+191 MB idle to idle in 30 minutes
-# here): bounded, "flat" measures leaks, not the cache filling.
-CACHE_RAM_MB = 64
+# here): bounded, "flat" measures leaks, not the cache filling. 16 MB (about ten full 2048-token conversations
+# of the tiny model) rather than 64: a 25 s run is still filling it between its two idle measurements, and at
+# 64 MB its growth alone could use up RSS_SLACK_MB (+54 and +56 MB were seen idle to idle with 64).
+CACHE_RAM_MB = 16
 EXIT_HANG_S = 30.0   # the exit's time is reported; the bound (grace + 2 s) is test_sigterm_under_load's and the cycles'
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
                                            "n": {"type": "integer"}},
