@@ -33,11 +33,23 @@ class CliError(Exception):
     """A user-facing failure: printed as one line, exit status 1."""
 
 
+class VersionAction(argparse.Action):
+    """--version, the version looked up only when asked (importlib.metadata costs ~50 ms of every start)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="show program's version number and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{PROG} {version()}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="OpenAI-compatible Qwen3 inference service.",
                                 epilog="Convert a Hugging Face checkpoint to GGUF: %(prog)s convert HF_DIR OUT.gguf "
                                        "--type q8_0|q4_0|f16|f32 (see %(prog)s convert --help).")
-    p.add_argument("--version", action="version", version=f"{PROG} {version()}")
+    p.add_argument("--version", action=VersionAction)
     p.add_argument("--model", metavar="PATH", required=True, help="Hugging Face model directory or .gguf file")
     s = p.add_argument_group("serving")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
@@ -146,11 +158,16 @@ def _load(args: argparse.Namespace, serving: bool = False):
     """The model, warmed up; for serving also its structured-output tables (work that holds the GIL, done
     while /health says loading rather than in the first request that needs them)."""
     from .engine.load import load_model
+    from .engine.load.phases import process_age
+    began = process_age()
     loaded = load_model(args.model, load_options(args))
+    loaded.phases.began_at_age = began
     loaded.engine.warm_up()
+    loaded.phases.mark("warm-up")
     if serving:
         from .engine.constraint import build_grammar_tokenizer
         build_grammar_tokenizer(loaded)
+        loaded.phases.mark("grammar table")
     return loaded
 
 
@@ -206,6 +223,7 @@ async def serve(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
     from . import systemd
     from .api import Api, ApiConfig
     from .engine.load import model_name
+    from .engine.load.phases import startup_line
     from .h11_server import HttpServer, ServerConfig
     from .worker import Worker
 
@@ -243,6 +261,7 @@ async def serve(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
                 else:
                     log.info("model %s ready (context %d tokens)", model_name(args.model),
                              worker.loaded.context_length)
+                    log.info("%s", startup_line(worker.loaded.phases))
                     systemd.notify_ready(f"serving {model_name(args.model)} on "
                                          + ", ".join(host_port(args.host, p) for p in server.ports))
 

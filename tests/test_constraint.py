@@ -71,6 +71,19 @@ def test_constraint_steps_and_finishes(tok):
         c2.accept(tok.encode("x")[0])
 
 
+def test_grammar_tokenizer_is_the_one_llguidance_reads_from_tokenizer_json(tok):
+    """Built from our byte table (no tokenizer.json round trip), llguidance sees the same vocabulary: every id's
+    bytes, which ids are special (all added tokens, the padding ids past the tokenizer), EOS, tokenization."""
+    ours = grammar_tokenizer(tok, V, EOS)
+    ref = llguidance.LLTokenizer(tok._tk.to_str(), n_vocab=V, eos_token=list(EOS))
+    assert ours.vocab_size == ref.vocab_size == V and sorted(ours.eos_tokens) == sorted(ref.eos_tokens)
+    assert [ours.decode_bytes([i]) for i in range(V)] == [ref.decode_bytes([i]) for i in range(V)]
+    assert [ours.is_special_token(i) for i in range(V)] == [ref.is_special_token(i) for i in range(V)]
+    assert ours.is_special_token(tok.id_of("<think>")) and ours.is_special_token(V - 1)
+    text = 'Hi {"a": 12, "b": [1, 2]} ünï  \n\n 日本語 <tool_call>'
+    assert ours.tokenize_str(text) == ref.tokenize_str(text) == tok.encode(text)
+
+
 def test_unsupported_schema_is_a_grammar_error_naming_it(tok):
     with pytest.raises(GrammarError, match="no-such"):
         constraint_for(OutputFormat("json_schema", {"type": "string", "format": "no-such"}), tok, V, EOS)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import pickle
 import threading
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -53,14 +54,29 @@ def _limits():
 
 
 _TOKENIZERS: dict[int, Any] = {}       # id(Tokenizer) -> (Tokenizer, LLTokenizer)
-_BY_CONTENT: dict[tuple, Any] = {}     # (SHA-256 of tokenizer.json, vocabulary, EOS ids) -> LLTokenizer
+_BY_CONTENT: dict[tuple, Any] = {}     # (SHA-256 of the token table and special ids, vocabulary, EOS ids) -> LLTokenizer
 _TOKENIZERS_LOCK = threading.Lock()
 
 
+class _Vocabulary:
+    """What llguidance.TokenizerWrapper reads: every id's bytes, the ids it treats as special (matched by id
+    only), EOS, and the tokenizer itself for the text llguidance has to tokenize."""
+
+    def __init__(self, tokenizer, tokens: list[bytes], special_ids: list[int], eos_ids: list[int]):
+        self.tokens, self.special_token_ids = tokens, special_ids
+        self.eos_token_id = eos_ids[0] if eos_ids else tokenizer.eos_token_id
+        self.bos_token_id = tokenizer.bos_token_id
+        self._tokenizer = tokenizer
+
+    def __call__(self, text) -> list[int]:
+        return self._tokenizer.encode(text.decode("utf-8", "replace") if isinstance(text, bytes) else text)
+
+
 def grammar_tokenizer(tokenizer, vocab_size: int, eos_ids: Iterable[int]):
-    """llguidance's tokenizer for our Tokenizer: the model's own tokenizer.json (HF directory or the one built
-    from GGUF metadata), padded to the model's vocabulary and with every end-of-generation id as EOS. Built once
-    per tokenizer content in a process (3.4 s for Qwen3's 151,936 tokens, holding the GIL: see
+    """llguidance's tokenizer for our Tokenizer: the bytes of every id up to the model's vocabulary (our byte
+    table: the bytes and special ids llguidance reads out of a tokenizer.json, which it no longer has to
+    parse), every end-of-generation id as EOS. Built once per tokenizer content in a process (1-3 s
+    for Qwen3's 151,936 tokens, about half of building it from the tokenizer.json; holding the GIL: see
     build_grammar_tokenizer)."""
     import llguidance
 
@@ -68,22 +84,28 @@ def grammar_tokenizer(tokenizer, vocab_size: int, eos_ids: Iterable[int]):
     with _TOKENIZERS_LOCK:
         entry = _TOKENIZERS.get(key)
         if entry is None or entry[0] is not tokenizer:
-            text = tokenizer._tk.to_str()
-            content = (hashlib.sha256(text.encode("utf-8")).digest(), vocab_size, tuple(sorted(eos_ids)))
+            raw = [tokenizer.token_bytes(i, skip_special_tokens=False) for i in range(vocab_size)]
+            # as llguidance takes them from a tokenizer.json: every added token (<think>, <tool_call> too) is
+            # special, and so is each id the vocabulary lacks (a padded embedding), named <[id]>
+            special = sorted({i for i in tokenizer.added_ids if i < vocab_size} | {i for i, b in enumerate(raw) if not b})
+            tokens = [b or b"<[%d]>" % i for i, b in enumerate(raw)]
+            eos = sorted(eos_ids)
+            content = (hashlib.sha256(pickle.dumps((tokens, special))).digest(), vocab_size, tuple(eos))
             llt = _BY_CONTENT.get(content)
             if llt is None:
-                llt = _BY_CONTENT[content] = llguidance.LLTokenizer(text, n_vocab=vocab_size,
-                                                                    eos_token=sorted(eos_ids) or None)
+                wrapper = llguidance.TokenizerWrapper(_Vocabulary(tokenizer, tokens, special, eos))
+                llt = _BY_CONTENT[content] = llguidance.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=eos or None)
             entry = (tokenizer, llt)
             _TOKENIZERS[key] = entry
         return entry[1]
 
 
 def build_grammar_tokenizer(loaded) -> None:
-    """Build a loaded model's grammar tokenizer now. The server does it while the model loads: tokenizers'
-    to_str and llguidance's LLTokenizer hold the GIL for seconds, so built by the first request with an output
-    format it stalled the event loop (/health, every other client's stream) that long. A tokenizer llguidance
-    cannot take does not stop the model from serving: the first structured request meets the error again."""
+    """Build a loaded model's grammar tokenizer now. The server does it while the model loads: llguidance's
+    LLTokenizer holds the GIL throughout (0.3-1 s for SmolLM2's 49,152 tokens, seconds for Qwen3's), so built
+    by the first request with an output format it stalled the event loop (/health, every other client's
+    stream) that long. A tokenizer llguidance cannot take does not stop the model from serving: the first
+    structured request meets the error again."""
     try:
         grammar_tokenizer(loaded.tokenizer, loaded.engine.model.config.vocab_size, loaded.eos_ids)
     except Exception as e:  # llguidance's own errors (ValueError, RuntimeError) about this tokenizer

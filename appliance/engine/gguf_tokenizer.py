@@ -75,12 +75,11 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
         raise GGUFTokenizerError(f"pre-tokenizer {pre!r} is not supported (supported: {', '.join(sorted(PRE_TOKENIZERS))})")
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+    merges = merge_pairs(meta.get("tokenizer.ggml.merges") or [])
     if len(types) != len(tokens):
         raise GGUFTokenizerError(f"{len(tokens)} tokens but {len(types)} token types")
-    vocab: dict[str, int] = {}
-    for i, t in enumerate(tokens):
-        vocab.setdefault(t, i)  # padding entries may repeat; the first id wins
+    # padding entries may repeat; the first id wins (dict() keeps the last value given: feed ids high to low)
+    vocab: dict[str, int] = dict(zip(reversed(tokens), range(len(tokens) - 1, -1, -1)))
     tk = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     build_pre, nfc = PRE_TOKENIZERS[pre]
     tk.pre_tokenizer = build_pre()
@@ -96,7 +95,17 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
         i = meta.get(f"tokenizer.ggml.{key}_token_id")
         if i is not None and 0 <= int(i) < len(tokens):
             named[name] = tokens[int(i)]
-    return Tokenizer(tk, special_tokens=named, byte_level=True)
+    return Tokenizer(tk, special_tokens=named, byte_level=True, pieces=tokens)
+
+
+def merge_pairs(merges: list[str]) -> list[tuple[str, str]]:
+    """"a b" merge rules as (a, b) pairs, split at the first space. Byte-level pieces hold no space (it is
+    "Ġ"), so one split of the joined rules gives the pairs; anything else takes the rule-by-rule way."""
+    parts = " ".join(merges).split(" ")
+    if len(parts) == 2 * len(merges):
+        it = iter(parts)
+        return list(zip(it, it))
+    return [tuple(m.split(" ", 1)) for m in merges]
 
 
 def eog_ids(meta: dict[str, Any]) -> set[int]:

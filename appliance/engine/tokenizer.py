@@ -70,10 +70,12 @@ class Tokenizer:
 
     def __init__(self, tk: tokenizers.Tokenizer, *, eos_token: str | None = None, bos_token: str | None = None,
                  special_tokens: dict[str, str] | None = None, special_ids: Iterable[int] | None = None,
-                 byte_level: bool | None = None):
+                 byte_level: bool | None = None, pieces: list[str] | None = None):
         """special_tokens: the named tokens (bos_token, eos_token, pad_token, ...) a chat template sees.
         special_ids: the ids skipped by decode/token_bytes; default: the added tokens marked special=True.
-        byte_level: whether the vocabulary is byte-level BPE; default: read from the tokenizer's decoder."""
+        byte_level: whether the vocabulary is byte-level BPE; default: read from the tokenizer's decoder.
+        pieces: the vocabulary by id when the caller has it (a GGUF's token list; a repeated piece belongs to
+        its first id), which spares reading it back out of `tk`."""
         self._tk = tk
         named = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         if eos_token is not None:
@@ -91,7 +93,7 @@ class Tokenizer:
             if tk.token_to_id(content) is None:
                 raise ValueError(f"{name} {content!r} is not in the vocabulary")
         self.byte_level = _is_byte_level(tk) if byte_level is None else byte_level
-        self._table = self._build_byte_table(tk, added, self.byte_level)
+        self._table = self._build_byte_table(tk, added, self.byte_level, pieces)
 
     @classmethod
     def from_dir(cls, model_dir: str) -> "Tokenizer":
@@ -109,8 +111,13 @@ class Tokenizer:
         return cls(tk, special_tokens=named)
 
     @staticmethod
-    def _build_byte_table(tk: tokenizers.Tokenizer, added: dict, byte_level: bool) -> list[bytes]:
-        vocab = tk.get_vocab(with_added_tokens=True)  # {token string: id}
+    def _build_byte_table(tk: tokenizers.Tokenizer, added: dict, byte_level: bool,
+                          pieces: list[str] | None = None) -> list[bytes]:
+        if pieces is None:
+            vocab = tk.get_vocab(with_added_tokens=True)  # {token string: id}
+        else:
+            vocab = dict(zip(reversed(pieces), range(len(pieces) - 1, -1, -1)))  # the first id of each piece
+            vocab.update((t.content, i) for i, t in added.items())
         table = [b""] * (max(vocab.values(), default=-1) + 1)
         to_latin1 = {ord(c): b for b, c in bytes_to_unicode().items()}  # byte-level char -> its byte as U+00XX
         for piece, i in vocab.items():

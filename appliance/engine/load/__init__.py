@@ -18,6 +18,8 @@ import logging
 import os
 from dataclasses import dataclass, field, replace
 
+from .phases import Phases
+
 DEFAULT_CONTEXT = 4096  # when the model does not say its trained context
 KV_TYPES = ("f16", "f32")
 log = logging.getLogger("appliance.load")
@@ -56,6 +58,7 @@ class LoadedModel:
     context_length: int = DEFAULT_CONTEXT
     eos_ids: set[int] = field(default_factory=set)
     multimodal: bool = False  # accepts image content parts
+    phases: Phases = field(default_factory=Phases)  # where the load's time went (phases.py)
 
 
 @dataclass
@@ -84,17 +87,20 @@ def load_model(path: str, options: LoadOptions | None = None, **overrides) -> Lo
         raise ModelLoadError(f"model path does not exist: {path}")
     if not os.access(path, os.R_OK):
         raise ModelLoadError(f"model path is not readable: {path}")
+    phases = Phases()
+    from appliance.native import kernels  # noqa: F401  (loads the C library, starts its thread pool)
+    phases.mark("native library")
     if options.threads:
         set_native_threads(options.threads)
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise ModelLoadError(f"not a model directory or .gguf file: {path}")
-        from .gguf import read_gguf
-        ckpt = read_gguf(path, options)
+        from .gguf import read_gguf as read
     else:
-        from .hf import read_hf_dir
-        ckpt = read_hf_dir(path, options)
-    return finish(path, ckpt, options)
+        from .hf import read_hf_dir as read
+    phases.mark("imports (model code)")
+    ckpt = read(path, options, phases)
+    return finish(path, ckpt, options, phases)
 
 
 def available_memory() -> int:
@@ -126,8 +132,10 @@ def decoder_of(model):
     return model.text if isinstance(model, Qwen3VLModel) else model
 
 
-def finish(path: str, ckpt: Checkpoint, options: LoadOptions) -> LoadedModel:
-    """The shared tail: page-release policies, the layer runner, context length, the Engine."""
+def finish(path: str, ckpt: Checkpoint, options: LoadOptions, phases: Phases | None = None) -> LoadedModel:
+    """The shared tail: page-release policies, the layer runner, context length, the Engine; marks its parts
+    in `phases` (the load's record, which the LoadedModel keeps)."""
+    phases = phases if phases is not None else Phases()
     from ..generate import Engine
     from ..layer_runner import choose_runner
     from ..qwen3_moe import set_release_pages
@@ -142,6 +150,7 @@ def finish(path: str, ckpt: Checkpoint, options: LoadOptions) -> LoadedModel:
             raise ModelLoadError(f"--max-resident {options.max_resident_mib}: {e}") from None
         log.info("low-memory mode: %s", plan.describe(len(ckpt.model.layers)))
     choose_runner(decoder_of(ckpt.model))  # native or numpy layers: once, after the weights took their form
+    phases.mark("layers")
     import numpy as np
     from ..kv_cache import KV_TYPES as KV_DTYPES
 
@@ -159,6 +168,7 @@ def finish(path: str, ckpt: Checkpoint, options: LoadOptions) -> LoadedModel:
              "on" if options.prefix_reuse else "off", cache_bytes / 2**20)
     engine = Engine(ckpt.model, ckpt.tokenizer, ckpt.eos_ids, ctx, options.prefill_chunk, kv_dtype=dtype,
                     cache_bytes=cache_bytes, reuse_prefix=options.prefix_reuse)
+    phases.mark("engine (KV cache, prefix cache)")
     if options.prompt_cache_dir and options.prefix_reuse:
         from ..prompt_disk import PromptDiskCache, model_identity
         shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
@@ -167,7 +177,9 @@ def finish(path: str, ckpt: Checkpoint, options: LoadOptions) -> LoadedModel:
             engine.adopt(engine.disk.load_all())
         except OSError as e:
             raise ModelLoadError(f"--prompt-cache-dir {options.prompt_cache_dir}: {e.strerror or e}") from None
+    if options.prompt_cache_dir:
+        phases.mark("prompt cache")
     return LoadedModel(name=model_name(path), path=path, config=ckpt.config, model=ckpt.model,
                        tokenizer=ckpt.tokenizer, chat_template=ckpt.chat_template, engine=engine, options=options,
                        default_sampling=ckpt.default_sampling, context_length=ctx, eos_ids=ckpt.eos_ids,
-                       multimodal=getattr(ckpt.model, "multimodal", False))
+                       multimodal=getattr(ckpt.model, "multimodal", False), phases=phases)

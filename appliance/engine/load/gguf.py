@@ -1,7 +1,7 @@
 """GGUF files (llama.cpp's container) -> decoder objects: qwen3, qwen2, llama and qwen3moe architectures.
 
 Policies:
-- The file is memory-mapped by the `gguf` package's GGUFReader and the weights stay in their stored form:
+- The file is memory-mapped (gguf_file.GGUFFile, GGUFReader's view of it) and the weights stay in their stored form:
   quantized (and F16/BF16) matrices are wrapped in QuantWeight over the mapped bytes; F32 matrices are
   zero-copy DenseWeight views; only the small 1-D tensors (norms, biases) are read as float32 arrays.
 - Configuration, tokenizer, chat template and stop ids all come from the file's own metadata (llama.cpp key
@@ -31,6 +31,8 @@ from ..qwen3_moe import ExpertLoadStats, Experts, MoEConfig, SparseMoE
 from ..quant_weights import QuantWeight
 from ..weights import DenseWeight
 from . import Checkpoint, LoadOptions, ModelLoadError
+from .gguf_file import GGUFFile
+from .phases import Phases
 from .names import EXPERT_PROJECTIONS, gguf_experts, gguf_layer, gguf_model
 
 SUPPORTED_ARCHITECTURES = ("qwen3", "qwen2", "llama", "qwen3moe")
@@ -39,30 +41,13 @@ SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min
                  "penalty_repeat": "repetition_penalty"}
 
 
-def open_gguf(path: str):
-    """A gguf.GGUFReader over the file (read-only mapping); see FastGGUFReader."""
-    from gguf import GGUFReader
-
-    class FastGGUFReader(GGUFReader):
-        """GGUFReader whose reads slice a plain ndarray view of the same mapping: numpy.memmap's per-slice
-        bookkeeping made parsing a 150k-token vocabulary take ~20 s; this takes ~3 s. Tensors stay zero-copy
-        views of the mapped file."""
-
-        def _get(self, offset, dtype, count=1, override_order=None):
-            plain = self.__dict__.get("_plain")
-            if plain is None:
-                plain = self._plain = self.data.view(np.ndarray)
-            dt = np.dtype(dtype)
-            count = int(count)
-            arr = plain[offset:offset + dt.itemsize * count].view(dt)[:count]
-            order = self.byte_order if override_order is None else override_order
-            return arr if order == "I" else arr.view(arr.dtype.newbyteorder(order))
-
-    return FastGGUFReader(path, "r")
+def open_gguf(path: str) -> GGUFFile:
+    """The file's metadata and tensors over a read-only mapping (gguf_file.GGUFFile)."""
+    return GGUFFile(path)
 
 
 def read_metadata(reader) -> dict[str, Any]:
-    """All key/value fields of a GGUFReader as Python values (strings decoded, arrays as lists)."""
+    """All key/value fields of a GGUFFile (or GGUFReader) as Python values (strings decoded, arrays as lists)."""
     meta = {}
     for key, field in reader.fields.items():
         if key.startswith("GGUF."):
@@ -220,25 +205,32 @@ def default_sampling(meta: dict[str, Any]) -> dict:
     return out
 
 
-def read_gguf(path: str, options: LoadOptions) -> Checkpoint:
-    """A .gguf file's model, tokenizer, template, stop ids and sampling defaults (see load.load_model)."""
+def read_gguf(path: str, options: LoadOptions, phases: Phases | None = None) -> Checkpoint:
+    """A .gguf file's model, tokenizer, template, stop ids and sampling defaults (see load.load_model);
+    its parts are marked in `phases`."""
+    phases = phases if phases is not None else Phases()
     from ..chat_template import ChatTemplate, ChatTemplateError
     from ..gguf_tokenizer import build_tokenizer, chat_templates, eog_ids
 
+    phases.mark("imports (tokenizer, template)")
     try:
         reader = open_gguf(path)
     except (ValueError, OSError, IndexError, KeyError) as e:  # not a GGUF, truncated, unknown type...
         raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from None
     try:
         meta = read_metadata(reader)
+        phases.mark("model file")
         f = GGUFModelFile(reader)
         cfg = config_from_metadata(meta, f)
         model = build_model(cfg, f, meta)
+        phases.mark("weights")
         tokenizer = build_tokenizer(meta)
+        phases.mark("tokenizer")
         source = chat_templates(meta)
         if source is None:
             raise ValueError("no chat template in the metadata (tokenizer.chat_template)")
         template = ChatTemplate(source, tokenizer.special_tokens)
+        phases.mark("chat template")
         eos = eog_ids(meta)
     except (KeyError, ValueError, ChatTemplateError) as e:
         raise ModelLoadError(f"cannot load {path}: {e}") from None

@@ -26,11 +26,15 @@ from ..vision import Linear, PatchMerger, VisionBlock, VisionConfig, VisionTower
 from ..weights import DenseWeight
 from . import Checkpoint, LoadOptions, ModelLoadError
 from .names import EXPERT_PROJECTIONS, HFNames
+from .phases import Phases
 
 
-def read_hf_dir(path: str, options: LoadOptions) -> Checkpoint:
+def read_hf_dir(path: str, options: LoadOptions, phases: Phases | None = None) -> Checkpoint:
+    phases = phases if phases is not None else Phases()
     from ..chat_template import ChatTemplate
     from ..tokenizer import Tokenizer
+
+    phases.mark("imports (tokenizer, template)")
 
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
@@ -42,8 +46,11 @@ def read_hf_dir(path: str, options: LoadOptions) -> Checkpoint:
     try:
         st = SafeTensors(path)
         cfg, model = ARCHITECTURES[model_type](st, cfg_dict, options)
+        phases.mark("weights")
         tokenizer = Tokenizer.from_dir(path)
+        phases.mark("tokenizer")
         template = ChatTemplate.from_dir(path)
+        phases.mark("chat template")
     except (SafetensorsError, UnsupportedModelError, KeyError, ValueError, OSError) as e:
         raise ModelLoadError(f"cannot load {path}: {e}") from None
     gen_cfg = read_json(os.path.join(path, "generation_config.json"))
