@@ -168,7 +168,7 @@ def finish(path: str, ckpt: Checkpoint, options: LoadOptions, phases: Phases | N
              "on" if options.prefix_reuse else "off", cache_bytes / 2**20)
     engine = Engine(ckpt.model, ckpt.tokenizer, ckpt.eos_ids, ctx, options.prefill_chunk, kv_dtype=dtype,
                     cache_bytes=cache_bytes, reuse_prefix=options.prefix_reuse)
-    phases.mark("engine (KV cache, prefix cache)")
+    phases.mark("engine (KV and prefix caches)")
     if options.prompt_cache_dir and options.prefix_reuse:
         from ..prompt_disk import PromptDiskCache, model_identity
         shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)

@@ -212,7 +212,7 @@ def read_gguf(path: str, options: LoadOptions, phases: Phases | None = None) -> 
     from ..chat_template import ChatTemplate, ChatTemplateError
     from ..gguf_tokenizer import build_tokenizer, chat_templates, eog_ids
 
-    phases.mark("imports (tokenizer, template)")
+    phases.mark("imports (tokenizer and template)")
     try:
         reader = open_gguf(path)
     except (ValueError, OSError, IndexError, KeyError) as e:  # not a GGUF, truncated, unknown type...

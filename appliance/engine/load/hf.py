@@ -34,7 +34,7 @@ def read_hf_dir(path: str, options: LoadOptions, phases: Phases | None = None) -
     from ..chat_template import ChatTemplate
     from ..tokenizer import Tokenizer
 
-    phases.mark("imports (tokenizer, template)")
+    phases.mark("imports (tokenizer and template)")
 
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
