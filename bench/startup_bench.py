@@ -8,7 +8,8 @@ llguidance) and exiting, the part of a start no change of ours removes. /health 
 the server's `start-up ... ms to ready:` log line gives each part (appliance/engine/load/phases.py: for the
 executable also the unpack its bootloader did before Python started). Rounds interleave the commands (a shared,
 loaded machine: noise hits all alike); min and median per command and per part, the load average before and
-after, and the ratios: python -m / import floor and frozen / python -m.
+after, and the ratios: python -m / import floor and frozen / python -m. Also the CPU time the start took (every
+thread, the one-file bootloader's unpack included), which a loaded machine stretches far less than wall time.
 
     python bench/startup_bench.py [--model SMOLLM2.gguf] [--frozen dist/x86_64/kestrel-appliance] [--runs 7]
 """
@@ -49,6 +50,24 @@ def healthy(port: int) -> bool:
         return False
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, every thread) of process `pid` and its descendants so far: on a loaded machine
+    the wall time to ready stretches with the load, this much less (at idle they would nearly agree: the
+    start runs on one core but for the C kernels' pool)."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
+
+
 def parts_of(stderr: str) -> tuple[float | None, dict[str, float]]:
     """The server's start-up line: (its total, {part: ms})."""
     for line in stderr.splitlines():
@@ -73,6 +92,7 @@ def start_once(cmd: list[str], env: dict, timeout: float = 120.0) -> dict:
                 raise RuntimeError(f"{cmd[0]} did not become healthy: {proc.communicate()[1][-2000:]}")
             time.sleep(0.01)
         ready = time.monotonic() - t0
+        cpu = cpu_seconds(proc.pid)
         proc.terminate()
         err = proc.communicate(timeout=60)[1]
     finally:
@@ -81,21 +101,26 @@ def start_once(cmd: list[str], env: dict, timeout: float = 120.0) -> dict:
             proc.communicate()
         shutil.rmtree(work, ignore_errors=True)
     total, parts = parts_of(err)
-    return {"ready_s": ready, "logged_ms": total, "parts": parts}
+    return {"ready_s": ready, "cpu_s": cpu, "logged_ms": total, "parts": parts}
 
 
 def floor_once(python: str) -> dict:
     t0 = time.monotonic()
+    r0 = os.times()
     subprocess.run([python, "-c", FLOOR_IMPORTS], check=True, cwd=tempfile.gettempdir())
-    return {"ready_s": time.monotonic() - t0, "logged_ms": None, "parts": {}}
+    r1 = os.times()
+    cpu = (r1.children_user - r0.children_user) + (r1.children_system - r0.children_system)
+    return {"ready_s": time.monotonic() - t0, "cpu_s": cpu, "logged_ms": None, "parts": {}}
 
 
 def summary(runs: list[dict]) -> dict:
     s = [r["ready_s"] for r in runs]
+    cpu = [r["cpu_s"] for r in runs]
     names = list(dict.fromkeys(n for r in runs for n in r["parts"]))
     parts = {n: (min(r["parts"].get(n, 0.0) for r in runs), statistics.median(r["parts"].get(n, 0.0) for r in runs))
              for n in names}
-    return {"min_s": min(s), "median_s": statistics.median(s), "runs_s": s, "parts_ms": parts}
+    return {"min_s": min(s), "median_s": statistics.median(s), "runs_s": s, "cpu_min_s": min(cpu),
+            "cpu_median_s": statistics.median(cpu), "parts_ms": parts}
 
 
 def main(argv=None) -> int:
@@ -131,9 +156,9 @@ def main(argv=None) -> int:
     print(f"\ntime to first /health 200 from an empty directory, {args.runs} interleaved rounds; model "
           f"{os.path.basename(model)}; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after "
           f"(2 cores, shared)")
-    print(f"{'command':<14}{'min s':>8}{'median s':>10}")
+    print(f"{'command':<14}{'min s':>8}{'median s':>10}{'CPU min s':>11}{'CPU median s':>14}")
     for name, s in out.items():
-        print(f"{name:<14}{s['min_s']:>8.2f}{s['median_s']:>10.2f}")
+        print(f"{name:<14}{s['min_s']:>8.2f}{s['median_s']:>10.2f}{s['cpu_min_s']:>11.2f}{s['cpu_median_s']:>14.2f}")
     base, floor = out["python -m"], out["import floor"]
     print(f"ratio python -m / import floor: {base['min_s'] / floor['min_s']:.2f} (min), "
           f"{base['median_s'] / floor['median_s']:.2f} (median)")
