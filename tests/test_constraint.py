@@ -6,7 +6,9 @@ import llguidance
 import numpy as np
 import pytest
 
-from appliance.engine.constraint import GrammarError, constraint_for, grammar_for, grammar_tokenizer, think_mode
+from appliance.engine import constraint
+from appliance.engine.constraint import (GrammarError, compile_grammar, constraint_for, grammar_for, grammar_tokenizer,
+                                         think_mode)
 from appliance.engine.sampling import Sampler, SamplingParams
 from appliance.engine.tokenizer import Tokenizer
 from appliance.protocol.structured import OutputFormat
@@ -82,6 +84,31 @@ def test_grammar_tokenizer_is_the_one_llguidance_reads_from_tokenizer_json(tok):
     assert ours.is_special_token(tok.id_of("<think>")) and ours.is_special_token(V - 1)
     text = 'Hi {"a": 12, "b": [1, 2]} ünï  \n\n 日本語 <tool_call>'
     assert ours.tokenize_str(text) == ref.tokenize_str(text) == tok.encode(text)
+
+
+def test_masks_are_those_of_llguidances_default_slices(tok):
+    """Our table leaves out the whitespace slice (a fifth of its build): an optimization only, every mask along
+    a schema's output (strings, numbers, enums; after a think block's whitespace) and a tool call's (its newlines)
+    is the same bit for bit."""
+    ours = grammar_tokenizer(tok, V, EOS)
+    assert constraint.WHITESPACE_SLICE in llguidance.LLTokenizer.general_slices()   # the slice we leave out exists
+    default = ours.with_slices(llguidance.LLTokenizer.general_slices())
+    tool_fmt = OutputFormat("tool_calls", tools=(("f", SCHEMA),), parallel=True)
+    strings = OutputFormat("json_schema", {"type": "object", "properties": {"s": {"type": "string"}}})
+    call = '<tool_call>\n{"name": "f", "arguments": {"a": %d, "b": "x"}}\n</tool_call>'
+    for fmt, text, think in ((OutputFormat("json_schema", SCHEMA), '{"a": -12, "b": "y"}', "none"),
+                             (OutputFormat("json_schema", SCHEMA), '<think>\nhm\n</think>\n\n{"a": 3, "b": "x"}',
+                              "optional"),
+                             (strings, '{"s": "spaces, \\"quotes\\" and ünïcode 日本 ' + "x" * 60 + '"}', "none"),
+                             (tool_fmt, call % 1 + "\n" + call % 2, "none")):
+        grammar = grammar_for(fmt, tok, ours, think)
+        a, b = (compile_grammar(grammar, t, V).start() for t in (ours, default))
+        ids = tok.encode(text)
+        for t in ids:
+            assert np.array_equal(a.allowed(), b.allowed()), (fmt.kind, think, tok.decode(ids[:ids.index(t)]))
+            a.accept(t)
+            b.accept(t)
+        assert a.accepting and b.accepting
 
 
 def test_unsupported_schema_is_a_grammar_error_naming_it(tok):

@@ -95,7 +95,7 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
         i = meta.get(f"tokenizer.ggml.{key}_token_id")
         if i is not None and 0 <= int(i) < len(tokens):
             named[name] = tokens[int(i)]
-    return Tokenizer(tk, special_tokens=named, byte_level=True, pieces=tokens)
+    return Tokenizer(tk, special_tokens=named, byte_level=True, vocab=vocab)
 
 
 def merge_pairs(merges: list[str]) -> list[tuple[str, str]]:

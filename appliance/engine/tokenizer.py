@@ -70,12 +70,12 @@ class Tokenizer:
 
     def __init__(self, tk: tokenizers.Tokenizer, *, eos_token: str | None = None, bos_token: str | None = None,
                  special_tokens: dict[str, str] | None = None, special_ids: Iterable[int] | None = None,
-                 byte_level: bool | None = None, pieces: list[str] | None = None):
+                 byte_level: bool | None = None, vocab: dict[str, int] | None = None):
         """special_tokens: the named tokens (bos_token, eos_token, pad_token, ...) a chat template sees.
         special_ids: the ids skipped by decode/token_bytes; default: the added tokens marked special=True.
         byte_level: whether the vocabulary is byte-level BPE; default: read from the tokenizer's decoder.
-        pieces: the vocabulary by id when the caller has it (a GGUF's token list; a repeated piece belongs to
-        its first id), which spares reading it back out of `tk`."""
+        vocab: {piece: id} as `tk` was built from, when the caller has it (a GGUF's token list), which spares
+        reading it back out of `tk`; the added tokens need not be in it."""
         self._tk = tk
         named = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         if eos_token is not None:
@@ -93,7 +93,7 @@ class Tokenizer:
             if tk.token_to_id(content) is None:
                 raise ValueError(f"{name} {content!r} is not in the vocabulary")
         self.byte_level = _is_byte_level(tk) if byte_level is None else byte_level
-        self._table = self._build_byte_table(tk, added, self.byte_level, pieces)
+        self._table = self._build_byte_table(tk, added, self.byte_level, vocab)
 
     @classmethod
     def from_dir(cls, model_dir: str) -> "Tokenizer":
@@ -112,13 +112,10 @@ class Tokenizer:
 
     @staticmethod
     def _build_byte_table(tk: tokenizers.Tokenizer, added: dict, byte_level: bool,
-                          pieces: list[str] | None = None) -> list[bytes]:
-        if pieces is None:
+                          vocab: dict[str, int] | None = None) -> list[bytes]:
+        if vocab is None:
             vocab = tk.get_vocab(with_added_tokens=True)  # {token string: id}
-        else:
-            vocab = dict(zip(reversed(pieces), range(len(pieces) - 1, -1, -1)))  # the first id of each piece
-            vocab.update((t.content, i) for i, t in added.items())
-        table = [b""] * (max(vocab.values(), default=-1) + 1)
+        table = [b""] * (max(max(vocab.values(), default=-1), max(added, default=-1)) + 1)
         to_latin1 = {ord(c): b for b, c in bytes_to_unicode().items()}  # byte-level char -> its byte as U+00XX
         for piece, i in vocab.items():
             if i in added:
@@ -131,6 +128,8 @@ class Tokenizer:
             else:
                 m = _BYTE_FALLBACK.match(piece)
                 table[i] = bytes([int(m.group(1), 16)]) if m else piece.replace("\u2581", " ").encode("utf-8")
+        for i, t in added.items():  # an added token need not be in a caller's vocab
+            table[i] = t.content.encode("utf-8")
         return table
 
     # -- names and ids -------------------------------------------------------------------------------------------
@@ -186,6 +185,10 @@ class Tokenizer:
         if 0 <= token_id < len(self._table):
             return self._table[token_id]
         return b""
+
+    def all_token_bytes(self, n: int) -> list[bytes]:
+        """token_bytes(i, skip_special_tokens=False) for every id below n at once (b"" past the vocabulary)."""
+        return self._table[:n] + [b""] * (n - len(self._table))
 
     @functools.cached_property
     def max_token_bytes(self) -> int:

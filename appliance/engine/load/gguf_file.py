@@ -159,5 +159,8 @@ class GGUFFile:
         raw = self.data[start:start + n_bytes]
         outer = tuple(reversed(dims[1:]))
         dtype = ELEMENT_DTYPES.get(qtype)
-        data = raw.view(dtype).reshape(*outer, ne0) if dtype is not None else raw.reshape(*outer, ne0 // block * type_bytes)
+        if dtype is not None:
+            data = raw.view(dtype).reshape(*outer, ne0)
+        else:
+            data = raw.reshape(*outer, ne0 // block * type_bytes)
         return Tensor(name, qtype, np.asarray(dims, dtype=np.uint64), n_elements, n_bytes, start, data)
