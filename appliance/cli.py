@@ -232,11 +232,11 @@ async def serve(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
     import trio
 
     from . import systemd
-    from .api import Api, ApiConfig
+    from .server.app import Api, ApiConfig
     from .engine.load import model_name
     from .engine.load.phases import startup_line
     from .h11_server import HttpServer, ServerConfig
-    from .worker import Worker
+    from .server.worker import Worker
 
     worker = Worker(load=lambda: _load(args, serving=True), queue_limit=args.queue)
     api = Api(worker, ApiConfig(model_name=model_name(args.model), api_keys=keys,

@@ -11,7 +11,7 @@ import ollama
 import openai
 import pytest
 
-from appliance.ollama_api import OLLAMA_COMPAT_VERSION
+from appliance.server.ollama import OLLAMA_COMPAT_VERSION
 from tests.support.live_server import LiveServer, RawClient, request_bytes
 from tests.support.scripted_model import ANSWER, THINKING
 from tests.support.tiny_vl import cached_qwen3_vl, image_bytes

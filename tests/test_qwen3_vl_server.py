@@ -14,7 +14,7 @@ import torch
 from transformers.image_utils import load_image
 
 from appliance.engine.image_processing import ImageError
-from appliance.image_inputs import decode_data_uri, image_urls, load_image_bytes
+from appliance.server.images import decode_data_uri, image_urls, load_image_bytes
 from tests.support.live_server import LiveServer, RawClient, request_bytes
 from tests.support.tiny_vl import cached_qwen3_vl, image_bytes, png_with_size, reference_processor
 
@@ -203,7 +203,7 @@ def test_image_tokens_count_against_the_context(vl_dir):
 
 
 def test_images_over_the_context_are_refused_before_preprocessing_the_rest(monkeypatch):
-    from appliance import image_inputs
+    from appliance.server import images as image_inputs
     from appliance.engine.image_processing import ImageProcessor
 
     proc = ImageProcessor(min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 64)

@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from appliance.engine.generate import FinishEvent, GenerationRequest, TokenEvent, Timings
-from appliance.worker import EngineFailure, NotReady, QueueFull, Worker
+from appliance.server.worker import EngineFailure, NotReady, QueueFull, Worker
 
 
 class FakeEngine:

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 import trio
 
-from appliance.api import Api, ApiConfig
+from appliance.server.app import Api, ApiConfig
 from appliance.engine.constraint import build_grammar_tokenizer
 from appliance.engine.load import load_model, model_name
 from appliance.h11_server import HttpServer, ServerConfig
-from appliance.worker import Worker
+from appliance.server.worker import Worker
 
 
 def serving_model(model_dir: str, ctx: int | None, prefill_chunk: int):

@@ -3,7 +3,7 @@ and the root probe. Request parsing and response shapes live in protocol/ollama_
 same Generation path (admission, queue, keep-alives, cancel on disconnect) as the OpenAI routes.
 
 Policies:
-- Errors come in Ollama's shape `{"error": "..."}` with the same status codes as the OpenAI routes (the Api
+- Errors come in Ollama's shape `{"error": "..."}` with the same status codes as the OpenAI routes (app.py's
   dispatcher renders every ApiError under /api/ that way), including 429 when the queue is full.
 - The `model` field is not matched against the served model (one model, named in every answer, as on the
   OpenAI routes): chat, generate and /api/show accept any name, so a client that checks the name it chats with
@@ -14,7 +14,7 @@ Policies:
 - Model management makes no sense on a fixed-model appliance: pull, push, create, delete, copy, blobs and the
   embedding endpoints answer 400 naming the served model.
 - `GET /` and `HEAD /` answer "Ollama is running" (text/plain), the probe Ollama clients send; a browser asking
-  for text/html gets `Api.html_root` instead when one is installed (the chat page).
+  for text/html gets the `html_root` handler instead when app.py passes one (the chat page).
 - /api/version reports OLLAMA_COMPAT_VERSION: the Ollama release whose API this one follows (thinking, tool
   streaming), so clients that gate features on the version enable them.
 """
@@ -26,17 +26,23 @@ import os
 import re
 import time
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import trio
 
-from .h11_server import Exchange
-from .protocol.errors import ApiError
-from .protocol.fields import load_json_object
-from .protocol.ollama_requests import OllamaRequest, parse_ollama_chat, parse_ollama_generate
-from .protocol.ollama_stream import (OllamaChatAssembler, OllamaGenerateAssembler, load_response, rfc3339)
-from .protocol.reasoning import prompt_ends_in_reasoning
-from .web import wants_html
+from ..h11_server import Exchange
+from ..protocol.errors import ApiError
+from ..protocol.fields import load_json_object
+from ..protocol.ollama_requests import OllamaRequest, parse_ollama_chat, parse_ollama_generate
+from ..protocol.ollama_stream import (OllamaChatAssembler, OllamaGenerateAssembler, load_response, rfc3339)
+from ..protocol.reasoning import prompt_ends_in_reasoning
+from ..web import wants_html
+from .config import Handler, Routes
+from .generation import run_ticket
+from .preparer import Preparer
+
+if TYPE_CHECKING:
+    from ..engine.load import LoadedModel
 
 OLLAMA_COMPAT_VERSION = "0.12.0"
 ROOT_TEXT = b"Ollama is running"
@@ -102,10 +108,13 @@ def _quantization(path: str, fmt: str) -> str:
 
 
 class OllamaApi:
-    def __init__(self, api: Any):
-        self.api = api
+    def __init__(self, prep: Preparer, html_root: Handler | None = None):
+        self.prep = prep
+        self.html_root = html_root
         self._facts: dict[str, Any] | None = None
-        api.routes.update({
+
+    def routes(self) -> Routes:
+        return {
             "/": {"GET": self.root, "HEAD": self.root},
             "/api/chat": {"POST": self.chat},
             "/api/generate": {"POST": self.generate},
@@ -114,46 +123,46 @@ class OllamaApi:
             "/api/ps": {"GET": self.ps},
             "/api/version": {"GET": self.version},
             **{p: {"POST": self.refused, "DELETE": self.refused} for p in REFUSED},
-        })
+        }
 
     @property
     def name(self) -> str:
-        return self.api.cfg.model_name
+        return self.prep.model_name
 
     async def facts(self) -> dict[str, Any]:
         if self._facts is None:
-            loaded = self.api.loaded()
+            loaded = self.prep.loaded()
             self._facts = await trio.to_thread.run_sync(model_facts, loaded, self.name)
         return self._facts
 
     # ---- probes and model listing ----------------------------------------------------------------------
     async def root(self, ex: Exchange) -> None:
-        if self.api.html_root is not None and wants_html(ex.header("accept")):
-            return await self.api.html_root(ex)
+        if self.html_root is not None and wants_html(ex.header("accept")):
+            return await self.html_root(ex)
         # HEAD: Exchange.respond sends the GET's headers (Content-Length included) and no body
-        await ex.respond(200, [(b"Content-Type", b"text/plain; charset=utf-8")] + self.api.cors_headers(), ROOT_TEXT)
+        await ex.respond(200, [(b"Content-Type", b"text/plain; charset=utf-8")] + self.prep.cors_headers(), ROOT_TEXT)
 
     async def version(self, ex: Exchange) -> None:
-        await self.api.send_json(ex, {"version": OLLAMA_COMPAT_VERSION})
+        await self.prep.send_json(ex, {"version": OLLAMA_COMPAT_VERSION})
 
     def _entry(self, f: dict[str, Any]) -> dict[str, Any]:
         return {"name": self.name, "model": self.name, "modified_at": f["modified_at"], "size": f["size"],
                 "digest": f["digest"], "details": f["details"]}
 
     async def tags(self, ex: Exchange) -> None:
-        models = [self._entry(await self.facts())] if self.api.worker.state == "ready" else []
-        await self.api.send_json(ex, {"models": models})
+        models = [self._entry(await self.facts())] if self.prep.worker.state == "ready" else []
+        await self.prep.send_json(ex, {"models": models})
 
     async def ps(self, ex: Exchange) -> None:
         models = []
-        if self.api.worker.state == "ready":
+        if self.prep.worker.state == "ready":
             f = await self.facts()
             models.append({**self._entry(f), "expires_at": NEVER_EXPIRES, "size_vram": 0,
-                           "context_length": self.api.worker.loaded.context_length})
-        await self.api.send_json(ex, {"models": models})
+                           "context_length": self.prep.worker.loaded.context_length})
+        await self.prep.send_json(ex, {"models": models})
 
     async def show(self, ex: Exchange) -> None:
-        loaded = self.api.loaded()
+        loaded = self.prep.loaded()
         data = load_json_object(await ex.read_body())
         wanted = data.get("model", data.get("name"))
         if not isinstance(wanted, str) or not wanted:
@@ -171,7 +180,7 @@ class OllamaApi:
                            if isinstance(v, (int, float)) and not isinstance(v, bool))
         modelfile = (f"# Served by kestrel-appliance (a fixed model; Modelfiles are not used)\n"
                      f"FROM {loaded.path}\n")
-        await self.api.send_json(ex, {"license": "", "modelfile": modelfile, "parameters": params,
+        await self.prep.send_json(ex, {"license": "", "modelfile": modelfile, "parameters": params,
                                       "template": f["template"], "details": f["details"], "model_info": info,
                                       "capabilities": f["capabilities"], "modified_at": f["modified_at"]})
 
@@ -182,29 +191,29 @@ class OllamaApi:
                        code="unsupported_endpoint")
 
     # ---- generation ------------------------------------------------------------------------------------
-    async def _parse(self, ex: Exchange, parse: Any):
+    async def _parse(self, ex: Exchange, parse: Callable[..., OllamaRequest]):
         """(loaded, body, request), or None when it was a load / unload request (answered here)."""
-        loaded = self.api.loaded()
+        loaded = self.prep.loaded()
         body = await ex.read_body()
-        o = await self.api.prepare(lambda: parse(body, defaults=loaded.default_sampling,
+        o = await self.prep.prepare(lambda: parse(body, defaults=loaded.default_sampling,
                                                  context_length=loaded.context_length,
                                                  images_supported=loaded.multimodal))
         if o.load_only:
-            await self.api.send_json(ex, load_response(self.name, chat=parse is parse_ollama_chat, unload=o.unload,
+            await self.prep.send_json(ex, load_response(self.name, chat=parse is parse_ollama_chat, unload=o.unload,
                                                        now=rfc3339()))
             return None
         return loaded, body, o
 
-    def _prompt(self, loaded: Any, o: OllamaRequest, body_size: int):
+    def _prompt(self, loaded: LoadedModel, o: OllamaRequest, body_size: int):
         """Worker thread: (prompt text, prompt ids, the request fitted to the context, its `format` constraint)."""
-        o = replace(o, request=self.api.fit_tools(loaded, o.request))
+        o = replace(o, request=self.prep.fit_tools(loaded, o.request))
         if o.raw:
             prompt = o.prompt
-            ids = self.api.encode(loaded, prompt, o.request.max_tokens, body_size)
+            ids = self.prep.encode(loaded, prompt, o.request.max_tokens, body_size)
         else:
-            prompt, ids = self.api.render_prompt(loaded, o.request, body_size, check=False)
-        ids = self.api.check_token_ids(loaded, o.context, "context") + ids
-        return prompt, ids, self._fit(loaded, o, len(ids)), self.api.compile_constraint(loaded, o.request, prompt,
+            prompt, ids = self.prep.render_prompt(loaded, o.request, body_size, check=False)
+        ids = self.prep.check_token_ids(loaded, o.context, "context") + ids
+        return prompt, ids, self._fit(loaded, o, len(ids)), self.prep.compile_constraint(loaded, o.request, prompt,
                                                                                        "format")
 
     async def chat(self, ex: Exchange) -> None:
@@ -213,21 +222,22 @@ class OllamaApi:
     async def generate(self, ex: Exchange) -> None:
         await self._run(ex, parse_ollama_generate)
 
-    async def _run(self, ex: Exchange, parse: Any) -> None:
+    async def _run(self, ex: Exchange, parse: Callable[..., OllamaRequest]) -> None:
         parsed = await self._parse(ex, parse)
         if parsed is None:
             return
         loaded, body, o = parsed
-        prompt, ids, req, constraint = await self.api.prepare(lambda: self._prompt(loaded, o, len(body)))
+        prompt, ids, req, constraint = await self.prep.prepare(lambda: self._prompt(loaded, o, len(body)))
         in_reasoning = prompt_ends_in_reasoning(prompt)
         if parse is parse_ollama_chat:
             out = OllamaChatAssembler(self.name, in_reasoning=in_reasoning, tools=bool(req.tools),
                                       tool_format=req.tool_format)
         else:
             out = OllamaGenerateAssembler(self.name, ids, in_reasoning=in_reasoning)
-        await self.api.generate_chat(ex, loaded, req, ids, out, len(body), constraint)
+        await run_ticket(self.prep, ex, loaded, req, ids, out, body_size=len(body), constraint=constraint,
+                         messages=req.messages)
 
-    def _fit(self, loaded: Any, o: OllamaRequest, n_prompt: int):
+    def _fit(self, loaded: LoadedModel, o: OllamaRequest, n_prompt: int):
         """The request checked against the context (num_ctx, when smaller, is this request's context)."""
         req = o.request
         if o.num_ctx is not None and o.num_ctx < loaded.context_length:
@@ -238,7 +248,7 @@ class OllamaApi:
             req = replace(req, max_tokens=min(req.max_tokens or room, room))
         if req.max_tokens is not None and n_prompt + req.max_tokens > loaded.context_length:
             req = replace(req, max_tokens=max(loaded.context_length - n_prompt, 1))  # Ollama stops at the context
-        self.api.check_context(loaded, n_prompt, req.max_tokens)
+        self.prep.check_context(loaded, n_prompt, req.max_tokens)
         return req
 
 

@@ -1,13 +1,16 @@
-"""One generation request from admission to the last byte: the path shared by stream and non-stream,
-chat and text completions. The bytes and bodies come from the protocol's assemblers; this module decides
-when they are written.
+"""One generation request from admission to the last byte (`run_ticket`: admitted, its images decoded, dropped on
+a failure before it runs, entered, run): the path shared by stream and non-stream, chat and text completions,
+every API. The bytes and bodies come from the protocol's assemblers; this module decides when they are written.
 
 Policies:
+- A request takes its place in line (Preparer.admit: 429 when full) before its images are decoded; a failure
+  while decoding drops the ticket (counted as abandoned unless it was the request's own fault, an ApiError), and
+  the context is checked again with the images' tokens.
 - Each event is written with its own socket write the moment the engine's event crosses into trio; nothing
   is batched (the closing events, which exist together, are still written one by one).
 - Waiting in line and in prefill: a stream gets its assembler's keep-alive (an SSE comment; an empty NDJSON
-  line for Ollama) every `queue_keepalive_s` until its first token event; the comment writer runs beside the wait (cancelling the wait itself would lose the place in
-  the FIFO line), shares a lock with the event writes, and each of its writes is shielded so a cancel never
+  line for Ollama) every `queue_keepalive_s` until its first token event; the comment writer runs beside the
+  wait (cancelling the wait itself would lose the place in the FIFO line), shares a lock with the event writes, and each of its writes is shielded so a cancel never
   leaves half a comment on the wire.
 - Engine failures: before a stream starts, an error response (400 for ContextLengthError, else 500); inside a
   stream, the assembler's error event (`{"error": ...}`: the openai and ollama clients raise it) and the stream
@@ -20,17 +23,23 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import trio
 
-from .engine.generate import FinishEvent, GenerationRequest, TokenEvent
-from .engine.kv_cache import ContextLengthError
-from .protocol.errors import ApiError, internal_error, server_shutdown
-from .protocol.logprobs import entry_from_engine
-from .protocol.sse import JSON_CONTENT_TYPE, json_bytes
-from .protocol.stats import GenerationStats
+from ..engine.generate import FinishEvent, GenerationRequest, TokenEvent
+from ..engine.kv_cache import ContextLengthError
+from ..protocol.errors import ApiError, internal_error, server_shutdown
+from ..protocol.logprobs import entry_from_engine
+from ..protocol.sse import JSON_CONTENT_TYPE, json_bytes
+from ..protocol.stats import GenerationStats
+from .images import image_urls
 from .worker import EngineFailure, ShuttingDown, Ticket
+
+if TYPE_CHECKING:
+    from ..engine.load import LoadedModel
+    from ..h11_server import Exchange
+    from .preparer import Preparer
 
 log = logging.getLogger("appliance.generation")
 
@@ -138,3 +147,24 @@ class Generation:
         async with self._send_lock:
             await ex.send(self.out.error_event(err))
             await ex.end_stream()
+
+
+async def run_ticket(prep: Preparer, ex: Exchange, loaded: LoadedModel, req: Any, ids: list[int], out: Any, *,
+                     body_size: int = 0, constraint: Any = None, messages: Sequence[dict[str, Any]] = ()) -> None:
+    """A prepared request (any API's) through admission, the images of its chat `messages` (none for a text
+    completion), and the engine (`constraint`: its compiled output format, from Preparer.compile_constraint)."""
+    t_arrival = time.perf_counter()
+    ticket = prep.admit()
+    urls = image_urls(messages)
+    if urls:
+        try:
+            ids, images = await prep.images(loaded, ex, urls, ids, body_size)
+            prep.check_context(loaded, len(ids), req.max_tokens)
+        except BaseException as e:
+            ticket.drop(abandoned=not isinstance(e, ApiError))
+            raise
+    else:
+        images = ()
+    gen = Generation(ids, req, out, token_bytes=loaded.tokenizer.token_bytes, headers=prep.cors_headers(),
+                     keepalive_s=prep.cfg.queue_keepalive_s, images=images, constraint=constraint)
+    await gen.run(ex, ticket, t_arrival)

@@ -22,9 +22,9 @@ import re
 import stat
 from typing import Any, Sequence
 
-from .engine.image_processing import ImageError, ImageProcessor, PixelPatches, decode_image
-from .engine.qwen3_vl import expand_image_pads
-from .protocol.messages import part_param
+from ..engine.image_processing import ImageError, ImageProcessor, PixelPatches, decode_image
+from ..engine.qwen3_vl import expand_image_pads
+from ..protocol.messages import part_param
 
 _DATA_URI = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[^;,]*)*)(?P<b64>;base64)?,",
                        re.IGNORECASE)
