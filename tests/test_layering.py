@@ -1,6 +1,7 @@
-"""The layering of appliance/: no import cycles between its modules, and native/ (the floor: plain arrays and
-specs in, arrays out) imports nothing from engine/. Both read the source's import statements (ast), so a
-lazy import inside a function counts as well."""
+"""The layering of appliance/: no import cycles between its modules, native/ (the floor: plain arrays and
+specs in, arrays out) imports nothing from engine/, and only the CLI imports the server application
+(server/app.py). All read the source's import statements (ast), so a lazy import inside a function counts
+as well."""
 import ast
 import os
 
@@ -94,3 +95,12 @@ def test_native_imports_nothing_from_engine():
     bad = {n: sorted(d for d in deps if d.startswith("appliance.engine")) for n, deps in g.items()
            if n.startswith("appliance.native")}
     assert not any(bad.values()), bad
+
+
+def test_only_the_cli_imports_the_server_application():
+    """The API modules (server/openai.py, ollama.py, responses.py) reach the rest of the server through the
+    Preparer and generation.run_ticket, never back through server/app.py."""
+    g = graph()
+    apis = {"appliance.server.openai", "appliance.server.ollama", "appliance.server.responses"}
+    assert apis <= g["appliance.server.app"]
+    assert sorted(n for n, deps in g.items() if "appliance.server.app" in deps) == ["appliance.cli"]

@@ -7,7 +7,7 @@ Policies:
   other non-text part, the request is a 400 naming the part.
 - A part made by another API's converter (Ollama's `images`, Responses' `input_image`) carries the field the
   client sent it as (PART_PARAM: `messages[0].images[0]`, `input[0].content[1]`); errors about the part, here
-  and when its image is decoded (image_inputs.py), name that field, never our internal `content[j]`.
+  and when its image is decoded (server/images.py), name that field, never our internal `content[j]`.
 - Assistant turns may carry tool_calls (then content may be null) and reasoning_content (the template puts it
   back inside <think>); tool turns carry the tool's output as content.
 """

@@ -9,7 +9,7 @@ Policies:
   script and stylesheet (by SHA-256), same-origin fetches, and data:/blob: images; no frames, no forms
   posting elsewhere, no plugins. Model output is escaped by the page's renderer before any markup is added.
 - `GET /` serves the page only to clients that ask for text/html (browsers); other clients keep whatever the
-  API answers at `/` (see Api.root).
+  API answers at `/` (see server/ollama.py, OllamaApi.root).
 """
 from __future__ import annotations
 
