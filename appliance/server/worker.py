@@ -4,7 +4,7 @@ Policies:
 - One thread owns the LoadedModel: it loads it (the server is already listening, /health says 503) and then
   runs one generation at a time. Nothing else touches the model, its caches or numpy work.
 - Admission is FIFO and bounded: one request runs, at most `queue_limit` wait behind it; past that, admit()
-  raises QueueFull at once and the server answers 429 with Retry-After. Waiting is a fair trio.Lock, so the
+  raises QueueFull at once and the server answers 429 with Retry-After. Waiting is on a fair trio.Semaphore, so the
   order of arrival is the order of service, and a waiter that goes away simply leaves the line.
 - Events go from the engine thread to trio with TrioToken.run_sync_soon onto an unbounded memory channel:
   the engine never waits on the network (a generation is bounded by max_tokens / the context).
