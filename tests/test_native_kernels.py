@@ -31,8 +31,8 @@ def lib():
 
 
 LEVELS = list(range(kernels.simd_max() + 1)) if kernels.available() else [0]
-INTEGER = [QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q6_K]
 FLOAT = [QType.F32, QType.F16, QType.BF16]
+INTEGER = [q for q in QType if q not in FLOAT]
 
 
 def _x(rng, T, n, scale=1.0):

@@ -37,6 +37,18 @@ def q4k_scales_mins(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scales, mins
 
 
+def k_values(qtype: QType, b: np.ndarray) -> np.ndarray:
+    """Q4_K / Q5_K super-blocks (..., bytes) -> their unsigned values (..., 8 sub-blocks, 32) as uint8: the quants
+    come in four 64-element chunks, low nibbles (sub-block 2j) then high nibbles (2j + 1); Q5_K's fifth bit of
+    element l of sub-block k is bit k of qh[l]."""
+    qs = b[..., -128:].reshape(*b.shape[:-1], 4, 32)
+    q = np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(*b.shape[:-1], 8, 32)
+    if qtype == QType.Q5_K:
+        qh = b[..., 16:48]  # (..., 32)
+        q = q | (((qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4)
+    return q
+
+
 def q6k_values(ql: np.ndarray, qh: np.ndarray) -> np.ndarray:
     """Q6_K packed low bits (..., 128) and high bits (..., 64) -> 6-bit unsigned values (..., 256) int32."""
     ql = ql.astype(np.int32).reshape(*ql.shape[:-1], 2, 64)  # two halves of 128 elements
@@ -75,15 +87,13 @@ def dequantize(qtype, w: np.ndarray) -> np.ndarray:
         d = _f16(b[..., 0:2])[..., None]
         m = _f16(b[..., 2:4])[..., None]
         y = d * _nibbles(b[..., 4:]).astype(np.float32) + m
-    elif qtype == QType.Q4_K:
+    elif qtype in (QType.Q4_K, QType.Q5_K):
         d = _f16(b[..., 0:2])[..., None]  # (R, nb, 1)
         dmin = _f16(b[..., 2:4])[..., None]
         sc, mn = q4k_scales_mins(b[..., 4:16])  # (R, nb, 8)
         d1 = (d * sc.astype(np.float32))[..., None]  # (R, nb, 8, 1)
         m1 = (dmin * mn.astype(np.float32))[..., None]
-        qs = b[..., 16:].reshape(R, nb, 4, 32)  # four 64-element chunks: low nibbles then high nibbles
-        q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(R, nb, 8, 32).astype(np.float32)
-        y = d1 * q - m1
+        y = d1 * k_values(qtype, b).astype(np.float32) - m1
     elif qtype == QType.Q6_K:
         ql, qh = b[..., 0:128], b[..., 128:192]
         sc = b[..., 192:208].view(np.int8).astype(np.float32)  # (R, nb, 16)
@@ -100,4 +110,4 @@ def get_rows(qtype, w: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return dequantize(qtype, np.asarray(w)[np.asarray(ids, dtype=np.int64)])
 
 
-__all__ = ["dequantize", "get_rows", "q4k_scales_mins", "q6k_values", "row_bytes", "QK", "QK_K"]
+__all__ = ["dequantize", "get_rows", "k_values", "q4k_scales_mins", "q6k_values", "row_bytes", "QK", "QK_K"]

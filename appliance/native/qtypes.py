@@ -15,6 +15,7 @@ class QType(IntEnum):
     Q4_1 = 3
     Q8_0 = 8
     Q4_K = 12
+    Q5_K = 13
     Q6_K = 14
     BF16 = 30
 
@@ -31,6 +32,7 @@ BLOCK = {
     QType.Q4_0: (QK, 2 + QK // 2),
     QType.Q4_1: (QK, 4 + QK // 2),
     QType.Q4_K: (QK_K, 4 + 12 + QK_K // 2),
+    QType.Q5_K: (QK_K, 4 + 12 + QK_K // 8 + QK_K // 2),
     QType.Q6_K: (QK_K, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2),
 }
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .dequant_numpy import _blocks, _f16, _nibbles, dequantize, q4k_scales_mins, q6k_values
+from .dequant_numpy import _blocks, _f16, _nibbles, dequantize, k_values, q4k_scales_mins, q6k_values
 from .qtypes import QType
 
 ACT32 = np.dtype([("d", "<f4"), ("sum", "<i4"), ("q", "i1", (32,))])  # C kq_act32, 40 bytes
@@ -77,11 +77,10 @@ def matmul(qtype, w: np.ndarray, x: np.ndarray) -> np.ndarray:
     a = quantize_q8_K(x)  # (T, nb)
     ad = a["d"][:, None, :]
     aq = a["q"].reshape(*a.shape, 8, 32)  # (T, nb, 8 sub-blocks, 32)
-    if qtype == QType.Q4_K:
+    if qtype in (QType.Q4_K, QType.Q5_K):
         sc, mn = q4k_scales_mins(b[..., 4:16])  # (R, nb, 8)
-        qs = b[..., 16:].reshape(*b.shape[:2], 4, 32)
-        nib = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(*b.shape[:2], 8, 32)  # (R, nb, 8, 32)
-        sub = np.einsum("rbjk,tbjk->trbj", nib.astype(np.int64), aq.astype(np.int64))  # (T, R, nb, 8)
+        u = k_values(qtype, b)  # (R, nb, 8, 32) unsigned
+        sub = np.einsum("rbjk,tbjk->trbj", u.astype(np.int64), aq.astype(np.int64))  # (T, R, nb, 8)
         isum = (sub * sc[None]).sum(axis=-1)  # (T, R, nb)
         pair = a["bsums"].astype(np.int64).reshape(*a.shape, 8, 2).sum(axis=-1)  # (T, nb, 8)
         msum = np.einsum("rbj,tbj->trb", mn.astype(np.int64), pair)

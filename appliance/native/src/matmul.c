@@ -119,6 +119,36 @@ static void q4_K_scalar(const uint8_t *w, size_t rb, int64_t r0, int nr, int64_t
     }
 }
 
+static void q5_K_scalar(const uint8_t *w, size_t rb, int64_t r0, int nr, int64_t nb, const void *act_,
+                        int64_t t0, int64_t t1, float *out, int64_t ldo) {
+    const kq_act256 *act = act_;
+    for (int r = 0; r < nr; r++) {
+        const blk_q5_K *W = ROW(blk_q5_K, r);
+        for (int64_t t = t0; t < t1; t++) {
+            const kq_act256 *A = act + t * nb;
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                int32_t sc[8], m[8], isum = 0, msum = 0;
+                kq_q4k_scales(W[b].scales, sc, m); /* once per super-block */
+                for (int j = 0; j < 8; j++) {
+                    const uint8_t *q = W[b].qs + 32 * (j / 2), *qh = W[b].qh;
+                    const int8_t *y = A[b].q + 32 * j;
+                    int32_t s = 0;
+                    for (int k = 0; k < 32; k++)
+                        s += (int32_t)((j & 1 ? q[k] >> 4 : q[k] & 0xF) | (((qh[k] >> j) & 1) << 4)) * y[k];
+                    isum += sc[j] * s;
+                }
+                for (int j = 0; j < 8; j++) msum += m[j] * (A[b].bsums[2 * j] + A[b].bsums[2 * j + 1]);
+                float dd = kq_fp16_to_fp32(kq_ld16(&W[b].d)) * A[b].d;
+                float dm = kq_fp16_to_fp32(kq_ld16(&W[b].dmin)) * A[b].d;
+                acc = acc + dd * (float)isum;
+                acc = acc - dm * (float)msum;
+            }
+            out[t * ldo + r0 + r] = acc;
+        }
+    }
+}
+
 static void q6_K_scalar(const uint8_t *w, size_t rb, int64_t r0, int nr, int64_t nb, const void *act_,
                         int64_t t0, int64_t t1, float *out, int64_t ldo) {
     const kq_act256 *act = act_;
@@ -186,7 +216,7 @@ PV_SCALAR(pv_f16_scalar, kq_fp16_to_fp32(kq_ld16(V + 2 * (s * hd + i))))
 
 void kq_kernels_scalar(kq_kernels *k) {
     k->q8_0 = q8_0_scalar; k->q4_0 = q4_0_scalar; k->q4_1 = q4_1_scalar;
-    k->q4_K = q4_K_scalar; k->q6_K = q6_K_scalar;
+    k->q4_K = q4_K_scalar; k->q5_K = q5_K_scalar; k->q6_K = q6_K_scalar;
     k->f32 = f32_scalar; k->f16 = f16_scalar; k->bf16 = bf16_scalar;
     k->pv_f32 = pv_f32_scalar; k->pv_f16 = pv_f16_scalar;
     k->x8 = kq_x8_group_scalar;
@@ -263,7 +293,7 @@ const char *kq_simd_name(void) {
     return names[level];
 }
 
-int kq_abi_version(void) { return 3; } /* 2: kq_layer.moe; 3: float16 KV caches */
+int kq_abi_version(void) { return 4; } /* 2: kq_layer.moe; 3: float16 KV caches; 4: Q5_K weights */
 
 void kq_quantize_q8_32(const float *x, int64_t T, int64_t n, kq_act32 *out) {
     detect();
@@ -379,6 +409,7 @@ kq_tile_fn kq_tile_kernel(int qtype, int *act_kind) {
     case KQ_Q4_0: *act_kind = KQ_ACT_Q32; return K.q4_0;
     case KQ_Q4_1: *act_kind = KQ_ACT_Q32; return K.q4_1;
     case KQ_Q4_K: *act_kind = KQ_ACT_Q256; return K.q4_K;
+    case KQ_Q5_K: *act_kind = KQ_ACT_Q256; return K.q5_K;
     case KQ_Q6_K: *act_kind = KQ_ACT_Q256; return K.q6_K;
     default: return NULL;
     }
@@ -399,29 +430,17 @@ int kq_matmul(int qtype, const uint8_t *w, int64_t rows, int64_t n, const float 
     if (qtype & KQ_X8) return matmul_x8(qtype & ~KQ_X8, w, rows, n, x, T, out);
     size_t rb = kq_row_bytes(qtype, n);
     if (!rb || rows <= 0 || T <= 0) return -1;
-    mm_ctx c = {.w = w, .rb = rb, .rows = rows, .T = T, .out = out, .act = x, .nb = n};
-    void *scratch = NULL;
-    switch (qtype) {
-    case KQ_F32: c.fn = K.f32; break;
-    case KQ_F16: c.fn = K.f16; break;
-    case KQ_BF16: c.fn = K.bf16; break;
-    case KQ_Q8_0: case KQ_Q4_0: case KQ_Q4_1:
-        c.nb = n / 32;
-        scratch = kq_scratch(0, (size_t)(T * c.nb) * sizeof(kq_act32));
+    int ak;
+    kq_tile_fn fn = kq_tile_kernel(qtype, &ak); /* the activations it reads: float rows, act32 or act256 blocks */
+    if (!fn) return -1;
+    mm_ctx c = {.fn = fn, .w = w, .rb = rb, .rows = rows, .T = T, .out = out, .act = x,
+                .nb = ak == KQ_ACT_Q32 ? n / 32 : ak == KQ_ACT_Q256 ? n / 256 : n};
+    if (ak != KQ_ACT_F32) {
+        void *scratch = kq_scratch(0, (size_t)T * kq_act_row_bytes(ak, n));
         if (!scratch) return -2;
-        quantize_act(x, T, n, scratch, 0);
-        c.fn = qtype == KQ_Q8_0 ? K.q8_0 : qtype == KQ_Q4_0 ? K.q4_0 : K.q4_1;
-        break;
-    case KQ_Q4_K: case KQ_Q6_K:
-        c.nb = n / 256;
-        scratch = kq_scratch(0, (size_t)(T * c.nb) * sizeof(kq_act256));
-        if (!scratch) return -2;
-        quantize_act(x, T, n, scratch, 1);
-        c.fn = qtype == KQ_Q4_K ? K.q4_K : K.q6_K;
-        break;
-    default: return -1;
+        quantize_act(x, T, n, scratch, ak == KQ_ACT_Q256);
+        c.act = scratch;
     }
-    if (scratch) c.act = scratch;
     int64_t tiles = (rows + 3) / 4;
     kq_parallel_for(tiles, kq_chunk_for(tiles), mm_task, &c);
     return 0;

@@ -39,6 +39,7 @@ size_t kq_row_bytes(int qtype, int64_t n) {
     case KQ_Q4_0: return (n % 32) ? 0 : (size_t)(n / 32) * sizeof(blk_q4_0);
     case KQ_Q4_1: return (n % 32) ? 0 : (size_t)(n / 32) * sizeof(blk_q4_1);
     case KQ_Q4_K: return (n % 256) ? 0 : (size_t)(n / 256) * sizeof(blk_q4_K);
+    case KQ_Q5_K: return (n % 256) ? 0 : (size_t)(n / 256) * sizeof(blk_q5_K);
     case KQ_Q6_K: return (n % 256) ? 0 : (size_t)(n / 256) * sizeof(blk_q6_K);
     default: return 0;
     }
@@ -135,6 +136,22 @@ void kq_dequantize_row(int qtype, const uint8_t *w, int64_t n, float *y) {
                 q4k_scale_min(B->scales, 2 * j + 1, &sc, &m);
                 d1 = d * (float)sc; m1 = dmin * (float)m;
                 for (int k = 0; k < 32; k++) *y++ = d1 * (float)(q[k] >> 4) - m1;
+            }
+        }
+        break;
+    case KQ_Q5_K:
+        for (int64_t b = 0; b < n / 256; b++) {
+            const blk_q5_K *B = (const blk_q5_K *)w + b;
+            float d = kq_fp16_to_fp32(kq_ld16(&B->d)), dmin = kq_fp16_to_fp32(kq_ld16(&B->dmin));
+            int32_t sc[8], m[8];
+            kq_q4k_scales(B->scales, sc, m);
+            for (int j = 0; j < 8; j++) { /* sub-block j: nibbles of qs[32 (j / 2) ..], bit j of qh */
+                const uint8_t *q = B->qs + 32 * (j / 2);
+                float d1 = d * (float)sc[j], m1 = dmin * (float)m[j];
+                for (int k = 0; k < 32; k++) {
+                    int u = ((j & 1 ? q[k] >> 4 : q[k] & 0xF)) | (((B->qh[k] >> j) & 1) << 4);
+                    *y++ = d1 * (float)u - m1;
+                }
             }
         }
         break;
