@@ -2,7 +2,8 @@
 
 Policies:
 - User mistakes (missing or unreadable model path, unsupported model, port in use, bad key file) end with one
-  `kestrel-appliance: error: ...` line on stderr and a non-zero exit, never a traceback.
+  `kestrel-appliance: error: ...` line on stderr and a non-zero exit, never a traceback (status 2 for a model
+  file holding a tensor type the kernels do not serve, naming the tensor and its type; 1 otherwise).
 - Serving binds first (so /health answers 503 while the model loads), then loads the model on the engine
   thread; under systemd (Type=notify) READY=1 goes out once the model is loaded, WATCHDOG=1 pings come from
   the event loop, STOPPING=1 at the first signal.
@@ -32,7 +33,17 @@ log = logging.getLogger("appliance")
 
 
 class CliError(Exception):
-    """A user-facing failure: printed as one line, exit status 1."""
+    """A user-facing failure: printed as one line, exit status `status` (1; 2 for a model file holding a tensor
+    type the kernels do not serve)."""
+
+    def __init__(self, message: str, status: int = 1):
+        super().__init__(message)
+        self.status = status
+
+
+def load_failure_status(err: BaseException) -> int:
+    from .engine.load import UnsupportedTensorType
+    return 2 if isinstance(err, UnsupportedTensorType) else 1
 
 
 class VersionAction(argparse.Action):
@@ -195,7 +206,7 @@ def run_prompt(args: argparse.Namespace) -> int:
     try:
         loaded = _load(args)
     except ModelLoadError as e:
-        raise CliError(str(e)) from None
+        raise CliError(str(e), load_failure_status(e)) from None
     start_done()
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": args.prompt})
@@ -267,7 +278,7 @@ async def serve(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
                 if worker.state == "failed":
                     err = worker.load_error
                     print(f"{PROG}: error: {err}" if str(err) else f"{PROG}: error: {err!r}", file=sys.stderr)
-                    status = 1
+                    status = load_failure_status(err)
                     await server.shutdown(0)
                 else:
                     log.info("model %s ready (context %d tokens)", model_name(args.model),
@@ -325,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         return trio.run(serve, args, keys)
     except CliError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 1
+        return e.status
     except KeyboardInterrupt:
         return 130
     finally:

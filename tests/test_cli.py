@@ -55,6 +55,23 @@ def test_missing_and_unsupported_model(tmp_path):
     assert_one_line_error(run(["--model", str(bert), "--port", "0"]), "config.json")
 
 
+def test_gguf_with_an_unserved_tensor_type_is_refused_with_status_2(tiny_qwen3_tied, tmp_path):
+    """One weight stored as MXFP4 (a type no kernel serves): both modes refuse the file at load with one line
+    naming the tensor and its type, exit status 2; the same file with that tensor left F32 loads."""
+    from appliance import convert
+    from tests.support.gguf_files import retype_tensor
+    f32 = str(tmp_path / "f32.gguf")
+    assert convert.main([tiny_qwen3_tied, f32, "--type", "f32"]) == 0
+    bad = retype_tensor(f32, str(tmp_path / "mxfp4.gguf"), "blk.1.ffn_down.weight", "MXFP4")
+    for args in (["--prompt", "hi"], ["--port", "0"]):
+        p = run(["--model", bad, *args], timeout=120)
+        assert p.returncode == 2, p.stderr
+        assert_one_line_error(p, "tensor blk.1.ffn_down.weight has type MXFP4", "not served")
+    same = retype_tensor(f32, str(tmp_path / "copy.gguf"), "no such tensor", "MXFP4")
+    p = run(["--model", same, "--prompt", "hi", "--max-tokens", "2", "--temperature", "0"], timeout=120)
+    assert p.returncode == 0, p.stderr
+
+
 def test_port_in_use_and_bad_key_file(tiny_qwen3_tied, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -48,7 +48,7 @@ def test_quant_weight_rejects_bad_input():
     with pytest.raises(ValueError, match="multiple of the block size"):
         QuantWeight(QType.Q8_0, (4, 60), raw)
     with pytest.raises(ValueError, match="not supported"):
-        QuantWeight(6, (4, 64), raw)  # Q5_0
+        QuantWeight(16, (4, 64), raw)  # IQ2_XXS
     w = QuantWeight(QType.Q8_0, (4, 64), raw)
     with pytest.raises(ValueError, match="does not fit"):
         w(np.zeros((1, 32), np.float32))

@@ -55,3 +55,31 @@ def build_tiny(out_dir: str, arch: str = "llama", seed: int = 3) -> str:
     shutil.copyfile(os.path.join(tiny_models.FIXTURES, "qwen3", "chat_template.jinja"),
                     os.path.join(out_dir, "chat_template.jinja"))
     return out_dir
+
+
+def retype_tensor(src: str, dst: str, name: str, qtype_name: str) -> str:
+    """A copy of the GGUF file src with tensor `name` re-quantized to qtype_name (a gguf.GGMLQuantizationType
+    name the `gguf` package can quantize to, e.g. MXFP4), everything else byte for byte."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(dst, arch=reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    for t in reader.tensors:
+        shape = [int(n) for n in reversed(t.shape)]  # numpy order: rows last-listed first
+        if t.name == name:
+            w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
+            writer.add_tensor(t.name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(t.name, np.asarray(t.data), raw_shape=shape, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst

@@ -2,7 +2,8 @@
 
 Policies:
 - Models load from local paths only. Every problem with the path or the checkpoint is a ModelLoadError with
-  a one-line message (the CLI prints it and exits non-zero).
+  a one-line message (the CLI prints it and exits non-zero: 2 for an UnsupportedTensorType, a file holding a
+  tensor type the kernels do not serve, 1 otherwise).
 - Everything a deployment chooses at load time travels in one LoadOptions, passed into loading; nothing is
   set on the loaded model afterwards. The format loaders build (config, model, tokenizer, template, eos ids,
   default sampling); `finish` is the one shared tail that applies the options and builds the Engine.
@@ -27,6 +28,10 @@ log = logging.getLogger("appliance.load")
 
 class ModelLoadError(Exception):
     """The model path cannot be served; the message is one line for the user."""
+
+
+class UnsupportedTensorType(ModelLoadError):
+    """A weight is stored in a type no kernel serves (the message names the tensor and its type)."""
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,9 @@ Policies:
   done once at load) so the decoder's rotate-half RoPE stays the only RoPE. Qwen2/Qwen3 files are stored
   in Hugging Face order already.
 - What we cannot compute exactly is refused with a one-line ModelLoadError: other architectures, RoPE
-  scaling, partial rotary dimensions, non-BPE tokenizers, tensor types the kernels do not know.
+  scaling, partial rotary dimensions, non-BPE tokenizers; a weight of a type the kernels do not serve (IQ1/IQ2/
+  IQ3 grids, TQ, MXFP4, ...) is an UnsupportedTensorType naming the tensor and its type (at load, when
+  the weight is wrapped; nothing is computed first).
 - Mixture of experts (`qwen3moe`): `blk.N.ffn_{gate,up,down}_exps.weight` hold all experts of a layer in one
   tensor (ne = [in, out, E]); each expert is a zero-copy slice of the mapped block data wrapped in QuantWeight
   (never rearranged into a copy), so decode reads only the routed experts' bytes and resident memory follows
@@ -30,7 +32,9 @@ from ..config import Qwen3Config
 from ..qwen3_moe import ExpertLoadStats, Experts, MoEConfig, SparseMoE
 from ..quant_weights import QuantWeight
 from ..weights import DenseWeight
-from . import Checkpoint, LoadOptions, ModelLoadError
+from appliance.native.qtypes import QType
+
+from . import Checkpoint, LoadOptions, ModelLoadError, UnsupportedTensorType
 from .gguf_file import GGUFFile
 from .phases import Phases
 from .names import EXPERT_PROJECTIONS, gguf_experts, gguf_layer, gguf_model
@@ -82,6 +86,7 @@ class GGUFModelFile:
     def matrix(self, name: str, row_order: np.ndarray | None = None):
         """A linear/embedding weight of numpy shape (out, in); row_order reorders rows (at load, quantized)."""
         t = self.tensors[name]
+        served_type(t)
         shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists ne0 (the row length) first
         if len(shape) != 2:
             raise ValueError(f"tensor {name} has {len(shape)} dimensions; expected a matrix")
@@ -93,6 +98,16 @@ class GGUFModelFile:
         if row_order is not None:
             raw = np.ascontiguousarray(raw[row_order])
         return QuantWeight(t.tensor_type, shape, raw)
+
+
+def served_type(tensor) -> QType:
+    """The weight's QType; UnsupportedTensorType (naming the tensor and its type) when no kernel serves it."""
+    try:
+        return QType(int(tensor.tensor_type))
+    except ValueError:
+        raise UnsupportedTensorType(
+            f"tensor {tensor.name} has type {tensor.tensor_type.name}, which is not served (served types: "
+            f"{', '.join(t.name for t in QType)})") from None
 
 
 def f32_value(v) -> float:
@@ -179,6 +194,7 @@ def moe_config_from_metadata(meta: dict, arch: str) -> MoEConfig:
 
 def expert_slices(tensor) -> list:
     """One (out, in) weight per expert of a stacked GGUF tensor, sharing the mapped bytes."""
+    served_type(tensor)
     n_in, n_out, n_exp = (int(n) for n in tensor.shape)  # GGUF order: ne0 (row length) first
     data = tensor.data  # (E, out, in) float32 or (E, out, row_bytes) uint8
     if tensor.tensor_type.name == "F32":
@@ -232,6 +248,8 @@ def read_gguf(path: str, options: LoadOptions, phases: Phases | None = None) -> 
         template = ChatTemplate(source, tokenizer.special_tokens)
         phases.mark("chat template")
         eos = eog_ids(meta)
+    except UnsupportedTensorType as e:
+        raise UnsupportedTensorType(f"cannot load {path}: {e}") from None
     except (KeyError, ValueError, ChatTemplateError) as e:
         raise ModelLoadError(f"cannot load {path}: {e}") from None
     return Checkpoint(cfg, model, tokenizer, template, eos, default_sampling(meta))
