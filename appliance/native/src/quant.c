@@ -81,13 +81,13 @@ void kq_quantize_q8_K(const float *x, int64_t T, int64_t n, kq_act256 *out) {
     }
 }
 
-static void q4k_scale_min(const uint8_t *q, int j, int *sc, int *m) {
-    if (j < 4) {
-        *sc = q[j] & 63;
-        *m = q[j + 4] & 63;
-    } else {
-        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+/* the 6-bit scales and mins of a Q4_K / Q5_K super-block's 8 sub-blocks (12 packed bytes) */
+void kq_q4k_scales(const uint8_t *q, int32_t sc[8], int32_t m[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = q[j] & 63;
+        m[j] = q[j + 4] & 63;
+        sc[j + 4] = (q[j + 8] & 0xF) | ((q[j] >> 6) << 4);
+        m[j + 4] = (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4);
     }
 }
 
@@ -127,15 +127,12 @@ void kq_dequantize_row(int qtype, const uint8_t *w, int64_t n, float *y) {
         for (int64_t b = 0; b < n / 256; b++) {
             const blk_q4_K *B = (const blk_q4_K *)w + b;
             float d = kq_fp16_to_fp32(kq_ld16(&B->d)), dmin = kq_fp16_to_fp32(kq_ld16(&B->dmin));
-            for (int j = 0; j < 4; j++) {
-                int sc, m;
-                const uint8_t *q = B->qs + 32 * j;
-                q4k_scale_min(B->scales, 2 * j, &sc, &m);
-                float d1 = d * (float)sc, m1 = dmin * (float)m;
-                for (int k = 0; k < 32; k++) *y++ = d1 * (float)(q[k] & 0xF) - m1;
-                q4k_scale_min(B->scales, 2 * j + 1, &sc, &m);
-                d1 = d * (float)sc; m1 = dmin * (float)m;
-                for (int k = 0; k < 32; k++) *y++ = d1 * (float)(q[k] >> 4) - m1;
+            int32_t sc[8], m[8];
+            kq_q4k_scales(B->scales, sc, m);
+            for (int j = 0; j < 8; j++) { /* sub-block j: low (j even) or high nibbles of qs[32 (j / 2) ..] */
+                const uint8_t *q = B->qs + 32 * (j / 2);
+                float d1 = d * (float)sc[j], m1 = dmin * (float)m[j];
+                for (int k = 0; k < 32; k++) *y++ = d1 * (float)(j & 1 ? q[k] >> 4 : q[k] & 0xF) - m1;
             }
         }
         break;
