@@ -59,11 +59,12 @@ def test_quantized_matmul_is_bit_exact(qtype, level):
 
 
 @pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.Q5_1, QType.IQ4_NL],
+                         ids=lambda t: t.name)
 def test_decode_columns_are_bit_exact(qtype, level):
     """The single-column (decode) path walks several blocks per step on the AVX-512 level (Q8_0: 2, Q4_0: 4) and
     then the remaining blocks one by one: every block count around those steps, rows that leave a partial tile,
-    and a leftover column after the 4-column passes."""
+    and a leftover column after the 4-column passes (each column fetching its rows ahead)."""
     kernels.set_simd_level(level)
     rng = np.random.default_rng(90 + 10 * level + int(qtype))
     for rows, nb, T in [(3, 1, 1), (5, 2, 1), (6, 3, 1), (9, 4, 1), (7, 5, 1), (10, 6, 1), (5, 7, 1), (13, 8, 1),

@@ -27,6 +27,17 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)  # IQ4_NL, IQ4_XS
+
+
+def q5_values(b: np.ndarray, qh_at: int) -> np.ndarray:
+    """Q5_0 / Q5_1 blocks (..., block bytes), qh at byte qh_at, the nibbles after it -> values 0..31 (..., 32)
+    uint8: nibbles as Q4_0's, the fifth bit of element j is bit j of the little-endian uint32 qh."""
+    qh = np.ascontiguousarray(b[..., qh_at:qh_at + 4]).view("<u4")[..., 0]  # (...)
+    bits = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    return _nibbles(b[..., qh_at + 4:qh_at + 20]) | (bits << 4)
+
+
 def q4k_scales_mins(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The 12 packed bytes of a Q4_K super-block (..., 12) -> 6-bit scales and mins (..., 8) as int32."""
     sc = sc.astype(np.int32)
@@ -87,6 +98,16 @@ def dequantize(qtype, w: np.ndarray) -> np.ndarray:
         d = _f16(b[..., 0:2])[..., None]
         m = _f16(b[..., 2:4])[..., None]
         y = d * _nibbles(b[..., 4:]).astype(np.float32) + m
+    elif qtype == QType.Q5_0:
+        d = _f16(b[..., 0:2])[..., None]
+        y = d * (q5_values(b, 2).astype(np.float32) - np.float32(16))
+    elif qtype == QType.Q5_1:
+        d = _f16(b[..., 0:2])[..., None]
+        m = _f16(b[..., 2:4])[..., None]
+        y = d * q5_values(b, 4).astype(np.float32) + m
+    elif qtype == QType.IQ4_NL:
+        d = _f16(b[..., 0:2])[..., None]
+        y = d * IQ4_VALUES[_nibbles(b[..., 2:])].astype(np.float32)
     elif qtype in (QType.Q4_K, QType.Q5_K):
         d = _f16(b[..., 0:2])[..., None]  # (R, nb, 1)
         dmin = _f16(b[..., 2:4])[..., None]
@@ -110,4 +131,4 @@ def get_rows(qtype, w: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return dequantize(qtype, np.asarray(w)[np.asarray(ids, dtype=np.int64)])
 
 
-__all__ = ["dequantize", "get_rows", "k_values", "q4k_scales_mins", "q6k_values", "row_bytes", "QK", "QK_K"]
+__all__ = ["IQ4_VALUES", "q5_values", "dequantize", "get_rows", "k_values", "q4k_scales_mins", "q6k_values", "row_bytes", "QK", "QK_K"]

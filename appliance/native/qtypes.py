@@ -13,14 +13,17 @@ class QType(IntEnum):
     F16 = 1
     Q4_0 = 2
     Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
     Q8_0 = 8
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
+    IQ4_NL = 20
     BF16 = 30
 
 
-QK = 32     # elements per block of the 32-element formats (Q8_0, Q4_0, Q4_1)
+QK = 32     # elements per block of the 32-element formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL)
 QK_K = 256  # elements per super-block of the K formats
 
 # qtype -> (elements per block, bytes per block)
@@ -31,6 +34,9 @@ BLOCK = {
     QType.Q8_0: (QK, 2 + QK),
     QType.Q4_0: (QK, 2 + QK // 2),
     QType.Q4_1: (QK, 4 + QK // 2),
+    QType.Q5_0: (QK, 2 + 4 + QK // 2),
+    QType.Q5_1: (QK, 4 + 4 + QK // 2),
+    QType.IQ4_NL: (QK, 2 + QK // 2),
     QType.Q4_K: (QK_K, 4 + 12 + QK_K // 2),
     QType.Q5_K: (QK_K, 4 + 12 + QK_K // 8 + QK_K // 2),
     QType.Q6_K: (QK_K, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2),

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .dequant_numpy import _blocks, _f16, _nibbles, dequantize, k_values, q4k_scales_mins, q6k_values
+from .dequant_numpy import (IQ4_VALUES, _blocks, _f16, _nibbles, dequantize, k_values, q4k_scales_mins, q5_values,
+                            q6k_values)
 from .qtypes import QType
 
 ACT32 = np.dtype([("d", "<f4"), ("sum", "<i4"), ("q", "i1", (32,))])  # C kq_act32, 40 bytes
@@ -54,6 +55,9 @@ def _idot(wq: np.ndarray, aq: np.ndarray) -> np.ndarray:
     return np.einsum("rbk,tbk->trb", wq.astype(np.int64), aq.astype(np.int64))
 
 
+B32_TYPES = (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.IQ4_NL)  # act32 activations
+
+
 def matmul(qtype, w: np.ndarray, x: np.ndarray) -> np.ndarray:
     """out (T, rows) = x (T, n) @ W.T with W stored as qtype rows w (rows, row_bytes)."""
     qtype = QType(int(qtype))
@@ -61,7 +65,7 @@ def matmul(qtype, w: np.ndarray, x: np.ndarray) -> np.ndarray:
     if qtype in (QType.F32, QType.F16, QType.BF16):
         return x @ dequantize(qtype, w).T
     b = _blocks(w, qtype)  # (R, nb, block bytes)
-    if qtype in (QType.Q8_0, QType.Q4_0, QType.Q4_1):
+    if qtype in B32_TYPES:
         a = quantize_q8_32(x)  # (T, nb)
         ad = a["d"][:, None, :]  # (T, 1, nb)
         dd = _f16(b[..., 0:2])[None] * ad  # (T, R, nb)
@@ -69,8 +73,12 @@ def matmul(qtype, w: np.ndarray, x: np.ndarray) -> np.ndarray:
             s = _idot(b[..., 2:].view(np.int8), a["q"])
         elif qtype == QType.Q4_0:
             s = _idot(_nibbles(b[..., 2:]), a["q"]) - 8 * a["sum"][:, None, :]
-        else:
-            s = _idot(_nibbles(b[..., 4:]), a["q"])
+        elif qtype == QType.Q5_0:
+            s = _idot(q5_values(b, 2), a["q"]) - 16 * a["sum"][:, None, :]
+        elif qtype == QType.IQ4_NL:
+            s = _idot(IQ4_VALUES[_nibbles(b[..., 2:])], a["q"])
+        else:  # Q4_1, Q5_1: d * q + m
+            s = _idot(_nibbles(b[..., 4:]) if qtype == QType.Q4_1 else q5_values(b, 4), a["q"])
             ms = _f16(b[..., 2:4])[None] * (ad * a["sum"][:, None, :].astype(np.float32))  # (T, R, nb)
             return _sequential_sum(np.stack([dd * s.astype(np.float32), ms], axis=-1).reshape(*dd.shape[:2], -1))
         return _sequential_sum(dd * s.astype(np.float32))

@@ -8,7 +8,7 @@ import numpy as np
 from appliance.native.qtypes import BLOCK, QType
 
 # offsets of the fp16 scale fields inside a block, for the random-bits formats
-_SCALE_FIELDS = {QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208,)}
+_SCALE_FIELDS = {QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208,), QType.IQ4_NL: (0,)}
 
 
 def random_weight(qtype: QType, rows: int, n: int, rng: np.random.Generator) -> np.ndarray:

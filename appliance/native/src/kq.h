@@ -11,8 +11,8 @@
 #include <stdint.h>
 #include <stddef.h>
 
-enum { KQ_F32 = 0, KQ_F16 = 1, KQ_Q4_0 = 2, KQ_Q4_1 = 3, KQ_Q8_0 = 8, KQ_Q4_K = 12, KQ_Q5_K = 13, KQ_Q6_K = 14,
-       KQ_BF16 = 30 };
+enum { KQ_F32 = 0, KQ_F16 = 1, KQ_Q4_0 = 2, KQ_Q4_1 = 3, KQ_Q5_0 = 6, KQ_Q5_1 = 7, KQ_Q8_0 = 8, KQ_Q4_K = 12,
+       KQ_Q5_K = 13, KQ_Q6_K = 14, KQ_IQ4_NL = 20, KQ_BF16 = 30 };
 enum { KQ_SCALAR = 0, KQ_SIMD = 1, KQ_SIMD_DOT = 2 }; /* x86: AVX2, AVX2+VNNI; arm: NEON, NEON+dotprod */
 
 typedef struct { float d; int32_t sum; int8_t q[32]; } kq_act32;       /* 40 bytes */
@@ -21,6 +21,9 @@ typedef struct { float d; int16_t bsums[16]; int8_t q[256]; } kq_act256; /* 292 
 typedef struct { uint16_t d; int8_t qs[32]; } blk_q8_0;
 typedef struct { uint16_t d; uint8_t qs[16]; } blk_q4_0;
 typedef struct { uint16_t d, m; uint8_t qs[16]; } blk_q4_1;
+typedef struct { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; } blk_q5_0;    /* fifth bits: bit j of qh (LE) for element j */
+typedef struct { uint16_t d, m; uint8_t qh[4]; uint8_t qs[16]; } blk_q5_1;
+typedef struct { uint16_t d; uint8_t qs[16]; } blk_iq4_nl;                 /* d * kq_iq4_values[nibble] */
 typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; } blk_q4_K;
 typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; } blk_q5_K;
 typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; } blk_q6_K;
@@ -94,6 +97,9 @@ size_t kq_row_bytes(int qtype, int64_t n);
 float kq_fp16_to_fp32(uint16_t h);
 void kq_dequantize_row(int qtype, const uint8_t *w, int64_t n, float *out);
 void kq_q4k_scales(const uint8_t *q, int32_t sc[8], int32_t m[8]);
+extern const int8_t kq_iq4_values[16]; /* IQ4_NL / IQ4_XS: the non-linear grid a nibble indexes */
+/* the 32 integer values of one Q5_0 (u - 16), Q5_1 (u) or IQ4_NL (grid values) block, in element order */
+void kq_b32_values(int qtype, const uint8_t *blk, int8_t v[32]);
 
 /* A row-tile kernel: outputs out[t*ldo + r] for rows r0..r0+nr-1 (nr <= 4) and columns t0..t1-1.
  * w points at row 0; act is the quantized (or float) activation matrix. */
@@ -114,7 +120,7 @@ void kq_prepare_act(int act_kind, const float *x, int64_t T, int64_t n, void *ou
 /* o (nrows, hd; row stride ldo) += p (nrows, m; row stride ldp) @ V (m, hd) of float32 or float16 rows (matmul_pv.inc) */
 typedef void (*kq_pv_fn)(const float *p, int64_t ldp, int64_t nrows, const uint8_t *V, int64_t m, int64_t hd, float *o,
                          int64_t ldo);
-typedef struct { kq_tile_fn q8_0, q4_0, q4_1, q4_K, q5_K, q6_K, f32, f16, bf16; kq_x8_fn x8; kq_quant32_fn quant32; kq_x8k_fn x8k, x8q6; kq_pv_fn pv_f32, pv_f16; } kq_kernels;
+typedef struct { kq_tile_fn q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, q4_K, q5_K, q6_K, f32, f16, bf16; kq_x8_fn x8; kq_quant32_fn quant32; kq_x8k_fn x8k, x8q6; kq_pv_fn pv_f32, pv_f16; } kq_kernels;
 #define KQ_Q6K_X8_BYTES 1680 /* one Q6_K super-block of 8 rows in the x8 layout */
 void kq_x8q6_group_scalar(const uint8_t *grp, int64_t nb, const kq_act256 *act, int64_t T, float *out,
                           int64_t ldo, int64_t r0, int nr);

@@ -67,6 +67,39 @@ static void q4_1_scalar(const uint8_t *w, size_t rb, int64_t r0, int nr, int64_t
     }
 }
 
+/* Q5_0, Q5_1, IQ4_NL: one integer dot per block over kq_b32_values (Q5_0's values already hold its -16), then
+ * acc + dd * s (and Q5_1's + m * (d_x * sum(y)), as Q4_1) */
+static inline void b32_scalar(int qtype, const uint8_t *w, size_t rb, int64_t r0, int nr, int64_t nb,
+                              const kq_act32 *act, int64_t t0, int64_t t1, float *out, int64_t ldo) {
+    const size_t bb = kq_row_bytes(qtype, 32);
+    for (int r = 0; r < nr; r++) {
+        const uint8_t *W = w + (size_t)(r0 + r) * rb;
+        for (int64_t t = t0; t < t1; t++) {
+            const kq_act32 *A = act + t * nb;
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                int8_t v[32];
+                kq_b32_values(qtype, W + b * bb, v);
+                int32_t s = 0;
+                for (int k = 0; k < 32; k++) s += (int32_t)v[k] * A[b].q[k];
+                float dd = kq_fp16_to_fp32(kq_ld16(W + b * bb)) * A[b].d;
+                acc = acc + dd * (float)s;
+                if (qtype == KQ_Q5_1) acc = acc + kq_fp16_to_fp32(kq_ld16(W + b * bb + 2)) * (A[b].d * (float)A[b].sum);
+            }
+            out[t * ldo + r0 + r] = acc;
+        }
+    }
+}
+
+#define B32_SCALAR(name, qtype)                                                                               \
+    static void name(const uint8_t *w, size_t rb, int64_t r0, int nr, int64_t nb, const void *act,           \
+                     int64_t t0, int64_t t1, float *out, int64_t ldo) {                                       \
+        b32_scalar(qtype, w, rb, r0, nr, nb, act, t0, t1, out, ldo);                                          \
+    }
+B32_SCALAR(q5_0_scalar, KQ_Q5_0)
+B32_SCALAR(q5_1_scalar, KQ_Q5_1)
+B32_SCALAR(iq4_nl_scalar, KQ_IQ4_NL)
+
 static void q4_K_scalar(const uint8_t *w, size_t rb, int64_t r0, int nr, int64_t nb, const void *act_,
                         int64_t t0, int64_t t1, float *out, int64_t ldo) {
     const kq_act256 *act = act_;
@@ -193,6 +226,7 @@ PV_SCALAR(pv_f16_scalar, kq_fp16_to_fp32(kq_ld16(V + 2 * (s * hd + i))))
 
 void kq_kernels_scalar(kq_kernels *k) {
     k->q8_0 = q8_0_scalar; k->q4_0 = q4_0_scalar; k->q4_1 = q4_1_scalar;
+    k->q5_0 = q5_0_scalar; k->q5_1 = q5_1_scalar; k->iq4_nl = iq4_nl_scalar;
     k->q4_K = q4_K_scalar; k->q5_K = q5_K_scalar; k->q6_K = q6_K_scalar;
     k->f32 = f32_scalar; k->f16 = f16_scalar; k->bf16 = bf16_scalar;
     k->pv_f32 = pv_f32_scalar; k->pv_f16 = pv_f16_scalar;

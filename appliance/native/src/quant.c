@@ -38,6 +38,9 @@ size_t kq_row_bytes(int qtype, int64_t n) {
     case KQ_Q8_0: return (n % 32) ? 0 : (size_t)(n / 32) * sizeof(blk_q8_0);
     case KQ_Q4_0: return (n % 32) ? 0 : (size_t)(n / 32) * sizeof(blk_q4_0);
     case KQ_Q4_1: return (n % 32) ? 0 : (size_t)(n / 32) * sizeof(blk_q4_1);
+    case KQ_Q5_0: return (n % 32) ? 0 : (size_t)(n / 32) * sizeof(blk_q5_0);
+    case KQ_Q5_1: return (n % 32) ? 0 : (size_t)(n / 32) * sizeof(blk_q5_1);
+    case KQ_IQ4_NL: return (n % 32) ? 0 : (size_t)(n / 32) * sizeof(blk_iq4_nl);
     case KQ_Q4_K: return (n % 256) ? 0 : (size_t)(n / 256) * sizeof(blk_q4_K);
     case KQ_Q5_K: return (n % 256) ? 0 : (size_t)(n / 256) * sizeof(blk_q5_K);
     case KQ_Q6_K: return (n % 256) ? 0 : (size_t)(n / 256) * sizeof(blk_q6_K);
@@ -91,6 +94,24 @@ void kq_q4k_scales(const uint8_t *q, int32_t sc[8], int32_t m[8]) {
     }
 }
 
+const int8_t kq_iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+void kq_b32_values(int qtype, const uint8_t *blk, int8_t v[32]) {
+    if (qtype == KQ_IQ4_NL) {
+        const blk_iq4_nl *B = (const blk_iq4_nl *)blk;
+        for (int k = 0; k < 16; k++) { v[k] = kq_iq4_values[B->qs[k] & 0xF]; v[k + 16] = kq_iq4_values[B->qs[k] >> 4]; }
+        return;
+    }
+    const uint8_t *qh = qtype == KQ_Q5_0 ? ((const blk_q5_0 *)blk)->qh : ((const blk_q5_1 *)blk)->qh;
+    const uint8_t *qs = qtype == KQ_Q5_0 ? ((const blk_q5_0 *)blk)->qs : ((const blk_q5_1 *)blk)->qs;
+    const uint32_t h = (uint32_t)qh[0] | (uint32_t)qh[1] << 8 | (uint32_t)qh[2] << 16 | (uint32_t)qh[3] << 24;
+    const int off = qtype == KQ_Q5_0 ? 16 : 0;
+    for (int k = 0; k < 16; k++) {
+        v[k] = (int8_t)(((qs[k] & 0xF) | ((h >> k) & 1) << 4) - off);
+        v[k + 16] = (int8_t)(((qs[k] >> 4) | ((h >> (k + 16)) & 1) << 4) - off);
+    }
+}
+
 void kq_dequantize_row(int qtype, const uint8_t *w, int64_t n, float *y) {
     switch (qtype) {
     case KQ_F32: memcpy(y, w, (size_t)n * 4); break;
@@ -123,6 +144,20 @@ void kq_dequantize_row(int qtype, const uint8_t *w, int64_t n, float *y) {
             }
         }
         break;
+    case KQ_Q5_0: case KQ_Q5_1: case KQ_IQ4_NL: {
+        const size_t bb = kq_row_bytes(qtype, 32);
+        for (int64_t b = 0; b < n / 32; b++, y += 32) {
+            const uint8_t *B = w + b * bb;
+            int8_t v[32];
+            kq_b32_values(qtype, B, v);
+            float d = kq_fp16_to_fp32(kq_ld16(B)), m = qtype == KQ_Q5_1 ? kq_fp16_to_fp32(kq_ld16(B + 2)) : 0.0f;
+            if (qtype == KQ_Q5_1)
+                for (int k = 0; k < 32; k++) y[k] = d * (float)v[k] + m;
+            else
+                for (int k = 0; k < 32; k++) y[k] = d * (float)v[k];
+        }
+        break;
+    }
     case KQ_Q4_K:
         for (int64_t b = 0; b < n / 256; b++) {
             const blk_q4_K *B = (const blk_q4_K *)w + b;
