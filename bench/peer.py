@@ -11,6 +11,9 @@ the venv's interpreter, stdlib + llama_cpp only) that answers one JSON request p
 
     with LlamaCppPeer("model.gguf", n_threads=2) as p:
         p.tokenize("text"); p.greedy(prompt_ids, 8); p.logits(ids); p.bench(256, 128)
+
+and `quantize(src, dst, "Q4_K_M")` runs llama.cpp's own quantizer, so tests and benches use files made the way the
+published ones are.
 """
 from __future__ import annotations
 
@@ -128,7 +131,28 @@ class LlamaCppPeer:
         self.close()
 
 
+def quantize(src: str, dst: str, ftype: str, n_threads: int = 2) -> str:
+    """llama.cpp's own quantizer (llama_model_quantize, as llama-quantize runs it) on a GGUF file: dst holds the
+    tensor types llama.cpp picks for `ftype` (a LLAMA_FTYPE_MOSTLY_* name: Q4_K_M, Q5_0, IQ4_XS, ...)."""
+    r = subprocess.run([ensure_peer(), os.path.abspath(__file__), "quantize", os.path.abspath(src),
+                        os.path.abspath(dst), ftype, str(n_threads)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"llama.cpp quantize {ftype} failed ({r.returncode}): {r.stderr[-2000:]}")
+    return dst
+
+
 # -- the child side: runs in the peer venv, imports only the stdlib and llama_cpp ---------------------------------
+def _quantize(src: str, dst: str, ftype: str, n_threads: int) -> int:
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.nthread = n_threads
+    return llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
+
+
 def _serve() -> None:
     import statistics
 
@@ -225,6 +249,8 @@ if __name__ == "__main__":
         _serve()
     elif sys.argv[1:] == ["build"]:
         print(ensure_peer())
+    elif sys.argv[1:2] == ["quantize"] and len(sys.argv) == 6:
+        sys.exit(1 if _quantize(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])) else 0)
     else:
-        print("usage: python bench/peer.py build | serve", file=sys.stderr)
+        print("usage: python bench/peer.py build | serve | quantize SRC DST FTYPE THREADS", file=sys.stderr)
         sys.exit(2)

@@ -70,6 +70,43 @@ def q6k_values(ql: np.ndarray, qh: np.ndarray) -> np.ndarray:
     return (lo | (hi << 4)).reshape(*lo.shape[:-2], QK_K)
 
 
+def crumbs(qs: np.ndarray) -> np.ndarray:
+    """Q2_K / Q3_K low bits (..., 64) -> 2-bit values (..., 256) uint8: element 128 h + 32 j + l is bits 2j, 2j + 1
+    of qs[32 h + l]."""
+    qs = qs.reshape(*qs.shape[:-1], 2, 1, 32)
+    return ((qs >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3).reshape(*qs.shape[:-3], QK_K)
+
+
+def q3k_values(b: np.ndarray) -> np.ndarray:
+    """Q3_K super-blocks (..., 110) -> values -4..3 (..., 256) int8: the 2-bit value, plus 4 when bit
+    4 h + j of hmask[l] is set, minus 4 (element 128 h + 32 j + l)."""
+    hbit = (b[..., None, 0:32] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # (..., 8, 32): bit k for 32 k + l
+    return (crumbs(b[..., 32:96]) | (hbit.reshape(*b.shape[:-1], QK_K) << 2)).astype(np.int8) - 4
+
+
+def q3k_scales(sc: np.ndarray) -> np.ndarray:
+    """The 12 packed bytes of a Q3_K super-block (..., 12) -> its 16 signed 6-bit scales (..., 16) int32: low
+    nibbles of bytes 0..7 then their high nibbles, and 2 high bits each from bytes 8..11."""
+    sc = sc.astype(np.int32)
+    lo = np.concatenate([sc[..., 0:8] & 0x0F, sc[..., 0:8] >> 4], axis=-1)
+    hi = np.concatenate([(sc[..., 8:12] >> (2 * k)) & 3 for k in range(4)], axis=-1)
+    return (lo | (hi << 4)) - 32
+
+
+def iq4xs_scales(b: np.ndarray) -> np.ndarray:
+    """IQ4_XS super-blocks (..., 136) -> the 8 signed 6-bit scales (..., 8) int32: nibble j of scales_l (low
+    first) and bits 2j, 2j + 1 of the little-endian uint16 scales_h."""
+    sh = np.ascontiguousarray(b[..., 2:4]).view("<u2").astype(np.int32)  # (..., 1)
+    sl = b[..., 4:8].astype(np.int32)
+    lo = np.stack([sl & 0x0F, sl >> 4], axis=-1).reshape(*sl.shape[:-1], 8)
+    return (lo | (((sh >> (2 * np.arange(8))) & 3) << 4)) - 32
+
+
+def iq4xs_values(b: np.ndarray) -> np.ndarray:
+    """IQ4_XS super-blocks (..., 136) -> grid values (..., 8, 32) int8: sub-block j as IQ4_NL's block j."""
+    return IQ4_VALUES[_nibbles(b[..., 8:].reshape(*b.shape[:-1], 8, 16))]
+
+
 def dequantize(qtype, w: np.ndarray) -> np.ndarray:
     """Dequantize whole rows: w (R, row_bytes) uint8 (or a float array for F32/F16) -> (R, n) float32."""
     qtype = QType(int(qtype))
@@ -115,6 +152,20 @@ def dequantize(qtype, w: np.ndarray) -> np.ndarray:
         d1 = (d * sc.astype(np.float32))[..., None]  # (R, nb, 8, 1)
         m1 = (dmin * mn.astype(np.float32))[..., None]
         y = d1 * k_values(qtype, b).astype(np.float32) - m1
+    elif qtype == QType.Q2_K:
+        sc = b[..., 0:16]
+        d, dmin = _f16(b[..., 80:82])[..., None], _f16(b[..., 82:84])[..., None]
+        dl = (d * (sc & 0x0F).astype(np.float32))[..., None]  # (R, nb, 16, 1)
+        ml = (dmin * (sc >> 4).astype(np.float32))[..., None]
+        y = dl * crumbs(b[..., 16:80]).reshape(R, nb, 16, 16).astype(np.float32) - ml
+    elif qtype == QType.Q3_K:
+        d = _f16(b[..., 108:110])[..., None]
+        dl = (d * q3k_scales(b[..., 96:108]).astype(np.float32))[..., None]  # (R, nb, 16, 1)
+        y = dl * q3k_values(b).reshape(R, nb, 16, 16).astype(np.float32)
+    elif qtype == QType.IQ4_XS:
+        d = _f16(b[..., 0:2])[..., None]
+        dl = (d * iq4xs_scales(b).astype(np.float32))[..., None]  # (R, nb, 8, 1)
+        y = dl * iq4xs_values(b).astype(np.float32)
     elif qtype == QType.Q6_K:
         ql, qh = b[..., 0:128], b[..., 128:192]
         sc = b[..., 192:208].view(np.int8).astype(np.float32)  # (R, nb, 16)
@@ -131,4 +182,4 @@ def get_rows(qtype, w: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return dequantize(qtype, np.asarray(w)[np.asarray(ids, dtype=np.int64)])
 
 
-__all__ = ["IQ4_VALUES", "q5_values", "dequantize", "get_rows", "k_values", "q4k_scales_mins", "q6k_values", "row_bytes", "QK", "QK_K"]
+__all__ = ["IQ4_VALUES", "crumbs", "iq4xs_scales", "iq4xs_values", "q3k_scales", "q3k_values", "q5_values", "dequantize", "get_rows", "k_values", "q4k_scales_mins", "q6k_values", "row_bytes", "QK", "QK_K"]

@@ -16,10 +16,13 @@ class QType(IntEnum):
     Q5_0 = 6
     Q5_1 = 7
     Q8_0 = 8
+    Q2_K = 10
+    Q3_K = 11
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
     IQ4_NL = 20
+    IQ4_XS = 23
     BF16 = 30
 
 
@@ -37,9 +40,12 @@ BLOCK = {
     QType.Q5_0: (QK, 2 + 4 + QK // 2),
     QType.Q5_1: (QK, 4 + 4 + QK // 2),
     QType.IQ4_NL: (QK, 2 + QK // 2),
+    QType.Q2_K: (QK_K, QK_K // 16 + QK_K // 4 + 4),
+    QType.Q3_K: (QK_K, QK_K // 8 + QK_K // 4 + 12 + 2),
     QType.Q4_K: (QK_K, 4 + 12 + QK_K // 2),
     QType.Q5_K: (QK_K, 4 + 12 + QK_K // 8 + QK_K // 2),
     QType.Q6_K: (QK_K, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2),
+    QType.IQ4_XS: (QK_K, 2 + 2 + QK_K // 64 + QK_K // 2),
 }
 
 

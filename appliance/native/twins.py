@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .dequant_numpy import (IQ4_VALUES, _blocks, _f16, _nibbles, dequantize, k_values, q4k_scales_mins, q5_values,
-                            q6k_values)
+from .dequant_numpy import (IQ4_VALUES, _blocks, _f16, _nibbles, crumbs, dequantize, iq4xs_scales, iq4xs_values,
+                            k_values, q3k_scales, q3k_values, q4k_scales_mins, q5_values, q6k_values)
 from .qtypes import QType
 
 ACT32 = np.dtype([("d", "<f4"), ("sum", "<i4"), ("q", "i1", (32,))])  # C kq_act32, 40 bytes
@@ -96,13 +96,27 @@ def matmul(qtype, w: np.ndarray, x: np.ndarray) -> np.ndarray:
         dm = _f16(b[..., 2:4])[None] * ad
         terms = np.stack([dd * isum.astype(np.float32), -(dm * msum.astype(np.float32))], axis=-1)
         return _sequential_sum(terms.reshape(*dd.shape[:2], -1))
-    if qtype == QType.Q6_K:
-        u = q6k_values(b[..., 0:128], b[..., 128:192]) - 32  # (R, nb, 256)
-        sc = b[..., 192:208].view(np.int8).astype(np.int64)  # (R, nb, 16)
-        grp = np.einsum("rbgk,tbgk->trbg", u.reshape(*u.shape[:2], 16, 16).astype(np.int64),
+    if qtype in (QType.Q6_K, QType.Q3_K, QType.Q2_K):  # 16 groups of 16 values, a signed scale each (Q2_K: + a min)
+        if qtype == QType.Q6_K:
+            v, sc, d = q6k_values(b[..., 0:128], b[..., 128:192]) - 32, b[..., 192:208].view(np.int8), b[..., 208:210]
+        elif qtype == QType.Q3_K:
+            v, sc, d = q3k_values(b), q3k_scales(b[..., 96:108]), b[..., 108:110]
+        else:
+            v, sc, d = crumbs(b[..., 16:80]), b[..., 0:16] & 0x0F, b[..., 80:82]
+        grp = np.einsum("rbgk,tbgk->trbg", v.reshape(*b.shape[:2], 16, 16).astype(np.int64),
                         a["q"].reshape(*a.shape, 16, 16).astype(np.int64))  # (T, R, nb, 16)
-        isum = (grp * sc[None]).sum(axis=-1)
-        dd = _f16(b[..., 208:210])[None] * ad
+        isum = (grp * sc.astype(np.int64)[None]).sum(axis=-1)
+        dd = _f16(d)[None] * ad
+        if qtype != QType.Q2_K:
+            return _sequential_sum(dd * isum.astype(np.float32))
+        msum = np.einsum("rbg,tbg->trb", (b[..., 0:16] >> 4).astype(np.int64), a["bsums"].astype(np.int64))
+        dm = _f16(b[..., 82:84])[None] * ad
+        terms = np.stack([dd * isum.astype(np.float32), -(dm * msum.astype(np.float32))], axis=-1)
+        return _sequential_sum(terms.reshape(*dd.shape[:2], -1))
+    if qtype == QType.IQ4_XS:  # 8 sub-blocks of 32 grid values, a signed scale each
+        sub = np.einsum("rbjk,tbjk->trbj", iq4xs_values(b).astype(np.int64), aq.astype(np.int64))  # (T, R, nb, 8)
+        isum = (sub * iq4xs_scales(b).astype(np.int64)[None]).sum(axis=-1)
+        dd = _f16(b[..., 0:2])[None] * ad
         return _sequential_sum(dd * isum.astype(np.float32))
     raise ValueError(qtype)  # pragma: no cover
 

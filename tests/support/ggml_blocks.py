@@ -8,7 +8,8 @@ import numpy as np
 from appliance.native.qtypes import BLOCK, QType
 
 # offsets of the fp16 scale fields inside a block, for the random-bits formats
-_SCALE_FIELDS = {QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208,), QType.IQ4_NL: (0,)}
+_SCALE_FIELDS = {QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208,), QType.IQ4_NL: (0,),
+                 QType.IQ4_XS: (0,), QType.Q3_K: (108,), QType.Q2_K: (80, 82)}
 
 
 def random_weight(qtype: QType, rows: int, n: int, rng: np.random.Generator) -> np.ndarray:

@@ -11,8 +11,8 @@
 #include <stdint.h>
 #include <stddef.h>
 
-enum { KQ_F32 = 0, KQ_F16 = 1, KQ_Q4_0 = 2, KQ_Q4_1 = 3, KQ_Q5_0 = 6, KQ_Q5_1 = 7, KQ_Q8_0 = 8, KQ_Q4_K = 12,
-       KQ_Q5_K = 13, KQ_Q6_K = 14, KQ_IQ4_NL = 20, KQ_BF16 = 30 };
+enum { KQ_F32 = 0, KQ_F16 = 1, KQ_Q4_0 = 2, KQ_Q4_1 = 3, KQ_Q5_0 = 6, KQ_Q5_1 = 7, KQ_Q8_0 = 8, KQ_Q2_K = 10,
+       KQ_Q3_K = 11, KQ_Q4_K = 12, KQ_Q5_K = 13, KQ_Q6_K = 14, KQ_IQ4_NL = 20, KQ_IQ4_XS = 23, KQ_BF16 = 30 };
 enum { KQ_SCALAR = 0, KQ_SIMD = 1, KQ_SIMD_DOT = 2 }; /* x86: AVX2, AVX2+VNNI; arm: NEON, NEON+dotprod */
 
 typedef struct { float d; int32_t sum; int8_t q[32]; } kq_act32;       /* 40 bytes */
@@ -24,9 +24,14 @@ typedef struct { uint16_t d, m; uint8_t qs[16]; } blk_q4_1;
 typedef struct { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; } blk_q5_0;    /* fifth bits: bit j of qh (LE) for element j */
 typedef struct { uint16_t d, m; uint8_t qh[4]; uint8_t qs[16]; } blk_q5_1;
 typedef struct { uint16_t d; uint8_t qs[16]; } blk_iq4_nl;                 /* d * kq_iq4_values[nibble] */
+/* Q2_K / Q3_K: element 128 h + 32 j + l is bits 2j, 2j + 1 of qs[32 h + l]; Q3_K adds 4 when bit 4 h + j of hmask[l]
+ * is set and subtracts 4; 16 groups of 16, each with its scale (Q2_K: a 4-bit scale and min per byte) */
+typedef struct { uint8_t scales[16]; uint8_t qs[64]; uint16_t d, dmin; } blk_q2_K;
+typedef struct { uint8_t hmask[32]; uint8_t qs[64]; uint8_t scales[12]; uint16_t d; } blk_q3_K;
 typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; } blk_q4_K;
 typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; } blk_q5_K;
 typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; } blk_q6_K;
+typedef struct { uint16_t d, scales_h; uint8_t scales_l[4]; uint8_t qs[128]; } blk_iq4_xs; /* 8 IQ4_NL-like sub-blocks */
 
 /* ---- public API ---- */
 int kq_abi_version(void);
@@ -100,6 +105,10 @@ void kq_q4k_scales(const uint8_t *q, int32_t sc[8], int32_t m[8]);
 extern const int8_t kq_iq4_values[16]; /* IQ4_NL / IQ4_XS: the non-linear grid a nibble indexes */
 /* the 32 integer values of one Q5_0 (u - 16), Q5_1 (u) or IQ4_NL (grid values) block, in element order */
 void kq_b32_values(int qtype, const uint8_t *blk, int8_t v[32]);
+void kq_q3k_scales(const uint8_t *q, int32_t s[16]);      /* Q3_K: the 16 signed 6-bit scales of 12 packed bytes */
+void kq_q3k_values(const blk_q3_K *B, int8_t v[256]);      /* Q3_K: the values -4..3 in element order */
+void kq_q2k_values(const uint8_t *qs, int8_t v[256]);      /* Q2_K: the values 0..3 in element order */
+void kq_iq4xs_scales(const blk_iq4_xs *B, int32_t s[8]); /* IQ4_XS: the 8 signed 6-bit scales */
 
 /* A row-tile kernel: outputs out[t*ldo + r] for rows r0..r0+nr-1 (nr <= 4) and columns t0..t1-1.
  * w points at row 0; act is the quantized (or float) activation matrix. */
@@ -120,7 +129,7 @@ void kq_prepare_act(int act_kind, const float *x, int64_t T, int64_t n, void *ou
 /* o (nrows, hd; row stride ldo) += p (nrows, m; row stride ldp) @ V (m, hd) of float32 or float16 rows (matmul_pv.inc) */
 typedef void (*kq_pv_fn)(const float *p, int64_t ldp, int64_t nrows, const uint8_t *V, int64_t m, int64_t hd, float *o,
                          int64_t ldo);
-typedef struct { kq_tile_fn q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, q4_K, q5_K, q6_K, f32, f16, bf16; kq_x8_fn x8; kq_quant32_fn quant32; kq_x8k_fn x8k, x8q6; kq_pv_fn pv_f32, pv_f16; } kq_kernels;
+typedef struct { kq_tile_fn q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, q2_K, q3_K, q4_K, q5_K, q6_K, iq4_xs, f32, f16, bf16; kq_x8_fn x8; kq_quant32_fn quant32; kq_x8k_fn x8k, x8q6; kq_pv_fn pv_f32, pv_f16; } kq_kernels;
 #define KQ_Q6K_X8_BYTES 1680 /* one Q6_K super-block of 8 rows in the x8 layout */
 void kq_x8q6_group_scalar(const uint8_t *grp, int64_t nb, const kq_act256 *act, int64_t T, float *out,
                           int64_t ldo, int64_t r0, int nr);

@@ -83,7 +83,8 @@ const char *kq_simd_name(void) {
     return names[level];
 }
 
-int kq_abi_version(void) { return 5; } /* 2: kq_layer.moe; 3: float16 KV caches; 4: Q5_K; 5: Q5_0, Q5_1, IQ4_NL */
+int kq_abi_version(void) { return 6; } /* 2: kq_layer.moe; 3: float16 KV caches; 4: Q5_K; 5: Q5_0, Q5_1, IQ4_NL;
+                                                6: Q2_K, Q3_K, IQ4_XS */
 
 void kq_quantize_q8_32(const float *x, int64_t T, int64_t n, kq_act32 *out) {
     detect();
@@ -201,9 +202,12 @@ kq_tile_fn kq_tile_kernel(int qtype, int *act_kind) {
     case KQ_Q5_0: *act_kind = KQ_ACT_Q32; return K.q5_0;
     case KQ_Q5_1: *act_kind = KQ_ACT_Q32; return K.q5_1;
     case KQ_IQ4_NL: *act_kind = KQ_ACT_Q32; return K.iq4_nl;
+    case KQ_Q2_K: *act_kind = KQ_ACT_Q256; return K.q2_K;
+    case KQ_Q3_K: *act_kind = KQ_ACT_Q256; return K.q3_K;
     case KQ_Q4_K: *act_kind = KQ_ACT_Q256; return K.q4_K;
     case KQ_Q5_K: *act_kind = KQ_ACT_Q256; return K.q5_K;
     case KQ_Q6_K: *act_kind = KQ_ACT_Q256; return K.q6_K;
+    case KQ_IQ4_XS: *act_kind = KQ_ACT_Q256; return K.iq4_xs;
     default: return NULL;
     }
 }

@@ -159,6 +159,65 @@ static void q5_K_scalar(const uint8_t *w, size_t rb, int64_t r0, int nr, int64_t
     }
 }
 
+/* Q2_K, Q3_K, IQ4_XS: a super-block's values and scales unpacked once, one integer sum over its groups
+ * (isum = sum_g scale_g * dot_g), then acc + dd * isum (Q2_K: - dmin * sum_g min_g * bsums_g, as Q4_K) */
+static void k16_scalar(int qtype, const uint8_t *w, size_t rb, int64_t r0, int nr, int64_t nb, const void *act_,
+                       int64_t t0, int64_t t1, float *out, int64_t ldo) {
+    const kq_act256 *act = act_;
+    const size_t bb = kq_row_bytes(qtype, 256);
+    for (int r = 0; r < nr; r++) {
+        const uint8_t *W = w + (size_t)(r0 + r) * rb;
+        for (int64_t t = t0; t < t1; t++) {
+            const kq_act256 *A = act + t * nb;
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *B = W + b * bb;
+                int8_t v[256];
+                int32_t s[16], m[16] = {0}, gs = 16, isum = 0, msum = 0; /* gs: elements per scale */
+                uint16_t d, dmin = 0;
+                if (qtype == KQ_Q2_K) {
+                    const blk_q2_K *Q = (const blk_q2_K *)B;
+                    kq_q2k_values(Q->qs, v);
+                    for (int g = 0; g < 16; g++) { s[g] = Q->scales[g] & 0xF; m[g] = Q->scales[g] >> 4; }
+                    d = kq_ld16(&Q->d); dmin = kq_ld16(&Q->dmin);
+                } else if (qtype == KQ_Q3_K) {
+                    const blk_q3_K *Q = (const blk_q3_K *)B;
+                    kq_q3k_values(Q, v);
+                    kq_q3k_scales(Q->scales, s);
+                    d = kq_ld16(&Q->d);
+                } else {
+                    const blk_iq4_xs *Q = (const blk_iq4_xs *)B;
+                    for (int k = 0; k < 128; k++) {
+                        v[32 * (k / 16) + k % 16] = kq_iq4_values[Q->qs[k] & 0xF];
+                        v[32 * (k / 16) + k % 16 + 16] = kq_iq4_values[Q->qs[k] >> 4];
+                    }
+                    kq_iq4xs_scales(Q, s);
+                    d = kq_ld16(&Q->d);
+                    gs = 32;
+                }
+                for (int g = 0; g < 256 / gs; g++) {
+                    int32_t dot = 0;
+                    for (int k = gs * g; k < gs * g + gs; k++) dot += (int32_t)v[k] * A[b].q[k];
+                    isum += s[g] * dot;
+                }
+                for (int g = 0; g < 16; g++) msum += m[g] * A[b].bsums[g];
+                acc = acc + kq_fp16_to_fp32(d) * A[b].d * (float)isum;
+                if (qtype == KQ_Q2_K) acc = acc - kq_fp16_to_fp32(dmin) * A[b].d * (float)msum;
+            }
+            out[t * ldo + r0 + r] = acc;
+        }
+    }
+}
+
+#define K16_SCALAR(name, qtype)                                                                               \
+    static void name(const uint8_t *w, size_t rb, int64_t r0, int nr, int64_t nb, const void *act,           \
+                     int64_t t0, int64_t t1, float *out, int64_t ldo) {                                       \
+        k16_scalar(qtype, w, rb, r0, nr, nb, act, t0, t1, out, ldo);                                          \
+    }
+K16_SCALAR(q2_K_scalar, KQ_Q2_K)
+K16_SCALAR(q3_K_scalar, KQ_Q3_K)
+K16_SCALAR(iq4_xs_scalar, KQ_IQ4_XS)
+
 static void q6_K_scalar(const uint8_t *w, size_t rb, int64_t r0, int nr, int64_t nb, const void *act_,
                         int64_t t0, int64_t t1, float *out, int64_t ldo) {
     const kq_act256 *act = act_;
@@ -227,7 +286,8 @@ PV_SCALAR(pv_f16_scalar, kq_fp16_to_fp32(kq_ld16(V + 2 * (s * hd + i))))
 void kq_kernels_scalar(kq_kernels *k) {
     k->q8_0 = q8_0_scalar; k->q4_0 = q4_0_scalar; k->q4_1 = q4_1_scalar;
     k->q5_0 = q5_0_scalar; k->q5_1 = q5_1_scalar; k->iq4_nl = iq4_nl_scalar;
-    k->q4_K = q4_K_scalar; k->q5_K = q5_K_scalar; k->q6_K = q6_K_scalar;
+    k->q2_K = q2_K_scalar; k->q3_K = q3_K_scalar; k->q4_K = q4_K_scalar; k->q5_K = q5_K_scalar;
+    k->q6_K = q6_K_scalar; k->iq4_xs = iq4_xs_scalar;
     k->f32 = f32_scalar; k->f16 = f16_scalar; k->bf16 = bf16_scalar;
     k->pv_f32 = pv_f32_scalar; k->pv_f16 = pv_f16_scalar;
     k->x8 = kq_x8_group_scalar;

@@ -41,9 +41,12 @@ size_t kq_row_bytes(int qtype, int64_t n) {
     case KQ_Q5_0: return (n % 32) ? 0 : (size_t)(n / 32) * sizeof(blk_q5_0);
     case KQ_Q5_1: return (n % 32) ? 0 : (size_t)(n / 32) * sizeof(blk_q5_1);
     case KQ_IQ4_NL: return (n % 32) ? 0 : (size_t)(n / 32) * sizeof(blk_iq4_nl);
+    case KQ_Q2_K: return (n % 256) ? 0 : (size_t)(n / 256) * sizeof(blk_q2_K);
+    case KQ_Q3_K: return (n % 256) ? 0 : (size_t)(n / 256) * sizeof(blk_q3_K);
     case KQ_Q4_K: return (n % 256) ? 0 : (size_t)(n / 256) * sizeof(blk_q4_K);
     case KQ_Q5_K: return (n % 256) ? 0 : (size_t)(n / 256) * sizeof(blk_q5_K);
     case KQ_Q6_K: return (n % 256) ? 0 : (size_t)(n / 256) * sizeof(blk_q6_K);
+    case KQ_IQ4_XS: return (n % 256) ? 0 : (size_t)(n / 256) * sizeof(blk_iq4_xs);
     default: return 0;
     }
 }
@@ -110,6 +113,24 @@ void kq_b32_values(int qtype, const uint8_t *blk, int8_t v[32]) {
         v[k] = (int8_t)(((qs[k] & 0xF) | ((h >> k) & 1) << 4) - off);
         v[k + 16] = (int8_t)(((qs[k] >> 4) | ((h >> (k + 16)) & 1) << 4) - off);
     }
+}
+
+void kq_q3k_scales(const uint8_t *q, int32_t s[16]) {
+    for (int j = 0; j < 16; j++) s[j] = (((j < 8 ? q[j] : q[j - 8] >> 4) & 0xF) | (((q[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32;
+}
+
+void kq_q2k_values(const uint8_t *qs, int8_t v[256]) {
+    for (int i = 0; i < 256; i++) v[i] = (int8_t)((qs[32 * (i / 128) + i % 32] >> (2 * (i / 32 % 4))) & 3);
+}
+
+void kq_q3k_values(const blk_q3_K *B, int8_t v[256]) {
+    kq_q2k_values(B->qs, v);
+    for (int i = 0; i < 256; i++) v[i] = (int8_t)(v[i] + (((B->hmask[i % 32] >> (i / 32)) & 1) << 2) - 4);
+}
+
+void kq_iq4xs_scales(const blk_iq4_xs *B, int32_t s[8]) {
+    const uint16_t h = kq_ld16(&B->scales_h);
+    for (int j = 0; j < 8; j++) s[j] = (((B->scales_l[j / 2] >> (4 * (j % 2))) & 0xF) | (((h >> (2 * j)) & 3) << 4)) - 32;
 }
 
 void kq_dequantize_row(int qtype, const uint8_t *w, int64_t n, float *y) {
@@ -183,6 +204,49 @@ void kq_dequantize_row(int qtype, const uint8_t *w, int64_t n, float *y) {
                 for (int k = 0; k < 32; k++) {
                     int u = ((j & 1 ? q[k] >> 4 : q[k] & 0xF)) | (((B->qh[k] >> j) & 1) << 4);
                     *y++ = d1 * (float)u - m1;
+                }
+            }
+        }
+        break;
+    case KQ_Q2_K: case KQ_Q3_K:
+        for (int64_t b = 0; b < n / 256; b++, y += 256) {
+            int8_t v[256];
+            int32_t s[16];
+            float d, dmin = 0.0f;
+            if (qtype == KQ_Q3_K) {
+                const blk_q3_K *B = (const blk_q3_K *)w + b;
+                kq_q3k_values(B, v);
+                kq_q3k_scales(B->scales, s);
+                d = kq_fp16_to_fp32(kq_ld16(&B->d));
+            } else {
+                const blk_q2_K *B = (const blk_q2_K *)w + b;
+                kq_q2k_values(B->qs, v);
+                for (int g = 0; g < 16; g++) s[g] = B->scales[g];
+                d = kq_fp16_to_fp32(kq_ld16(&B->d));
+                dmin = kq_fp16_to_fp32(kq_ld16(&B->dmin));
+            }
+            for (int g = 0; g < 16; g++) {
+                if (qtype == KQ_Q3_K) {
+                    float dl = d * (float)s[g];
+                    for (int k = 16 * g; k < 16 * g + 16; k++) y[k] = dl * (float)v[k];
+                } else { /* Q2_K: low nibble the scale, high nibble the min */
+                    float dl = d * (float)(s[g] & 0xF), ml = dmin * (float)(s[g] >> 4);
+                    for (int k = 16 * g; k < 16 * g + 16; k++) y[k] = dl * (float)v[k] - ml;
+                }
+            }
+        }
+        break;
+    case KQ_IQ4_XS:
+        for (int64_t b = 0; b < n / 256; b++) {
+            const blk_iq4_xs *B = (const blk_iq4_xs *)w + b;
+            const float d = kq_fp16_to_fp32(kq_ld16(&B->d));
+            int32_t s[8];
+            kq_iq4xs_scales(B, s);
+            for (int j = 0; j < 8; j++, y += 32) {
+                const float dl = d * (float)s[j];
+                for (int k = 0; k < 16; k++) {
+                    y[k] = dl * (float)kq_iq4_values[B->qs[16 * j + k] & 0xF];
+                    y[k + 16] = dl * (float)kq_iq4_values[B->qs[16 * j + k] >> 4];
                 }
             }
         }
