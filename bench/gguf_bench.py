@@ -4,8 +4,8 @@ GGUF files, side by side in one run: decode tok/s (128 tokens) and prefill tok/s
 
 Models: (a) SmolLM2-135M-Instruct Q4_1 (the real file, scripts/fetch_smollm2.py), (b) a Qwen3-1.7B-shaped
 random model (hidden 2048, 28 layers, 16/8 heads, head_dim 128, intermediate 6144, vocab 151936, tied) in
-Q8_0 and Q4_0, written directly with GGUFWriter (random blocks with sane scales; speed does not depend on
-the values) and cached in ~/.cache/kestrel-bench.
+Q8_0 and Q4_0 (or any type of SCALE_FIELDS: --models q5_k,iq4_xs), written directly with GGUFWriter (random
+blocks with sane scales; speed does not depend on the values) and cached in ~/.cache/kestrel-bench.
 
 Printed per row: both speeds, ours/llama.cpp ratios, and the fraction of the memory-bandwidth limit:
 limit tok/s = measured copy bandwidth / weight bytes read per token (every matrix once, the tied embedding
@@ -40,15 +40,23 @@ QWEN3_1_7B = dict(hidden=2048, layers=28, heads=16, kv_heads=8, head_dim=128, in
 
 
 # -- the random 1.7B-shaped file ------------------------------------------------------------------------------------
+# byte offsets of each type's fp16 scales (and mins) in a block, and the std of its random integer part (so the
+# weights have a std of ~0.02; the K formats' sub-block scales multiply it by ~30)
+SCALE_FIELDS = {"Q8_0": ((0,), 74.0), "Q4_0": ((0,), 4.6), "Q4_1": ((0, 2), 4.6), "Q5_0": ((0,), 9.2),
+                "Q5_1": ((0, 2), 9.2), "IQ4_NL": ((0,), 60.0), "Q2_K": ((80, 82), 10.0), "Q3_K": ((108,), 30.0),
+                "Q4_K": ((0, 2), 140.0), "Q5_K": ((0, 2), 280.0), "Q6_K": ((208,), 600.0), "IQ4_XS": ((0,), 900.0)}
+
+
 def random_blocks(rng, qtype_name: str, rows: int, cols: int) -> np.ndarray:
-    """(rows, row_bytes) uint8 of random blocks whose fp16 scale gives weights of std ~0.02."""
+    """(rows, row_bytes) uint8 of random blocks whose fp16 scales give weights of std ~0.02."""
     import gguf
 
     qtype = getattr(gguf.GGMLQuantizationType, qtype_name)
     bs, nb = gguf.GGML_QUANT_SIZES[qtype]
     b = np.frombuffer(rng.bytes(rows * (cols // bs) * nb), np.uint8).reshape(rows, cols // bs, nb).copy()
-    scale = 0.02 / (74.0 if qtype_name == "Q8_0" else 4.6)  # std of uniform int8 / of (nibble - 8)
-    b[..., 0:2] = np.frombuffer(np.float16(scale).tobytes(), np.uint8)
+    offsets, spread = SCALE_FIELDS[qtype_name]
+    for off in offsets:
+        b[..., off:off + 2] = np.frombuffer(np.float16(0.02 / spread).tobytes(), np.uint8)
     return b.reshape(rows, -1)
 
 
@@ -108,7 +116,8 @@ def write_random_gguf(path: str, cfg, plan: list[tuple[str, tuple]], qtype_name:
         shutil.copyfile(os.path.join(tiny_models.FIXTURES, "qwen3", "chat_template.jinja"),
                         os.path.join(tok_dir, "chat_template.jinja"))
         w = gguf.GGUFWriter(path + ".tmp", GGUF_ARCH.get(cfg.model_type, cfg.model_type))
-        write_hparams(w, cfg, name, f"MOSTLY_{qtype_name}", moe)
+        file_type = next(t for t in (f"MOSTLY_{qtype_name}", f"MOSTLY_{qtype_name}_M") if hasattr(gguf.LlamaFileType, t))
+        write_hparams(w, cfg, name, file_type, moe)
         write_tokenizer(w, tok_dir, cfg.vocab_size, {"bos_token_id": 151643, "eos_token_id": 151645})
     finally:
         shutil.rmtree(tok_dir, ignore_errors=True)

@@ -104,6 +104,16 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(path)
 
 
+@pytest.fixture(scope="session")
+def peer():
+    """bench/peer.py (llama.cpp as a peer), its venv ready: built once per machine under a file lock, or waited for
+    while another process builds it."""
+    from tests.support.gguf_files import peer_module
+    mod = peer_module()
+    mod.ensure_peer()
+    return mod
+
+
 @pytest.fixture
 def native_lib():
     """The C library, required (KESTREL_NATIVE=0 opts out: the test is skipped); the default thread plan is

@@ -19,18 +19,11 @@ import pytest
 
 from appliance import convert
 from appliance.engine.load import load_model
-from tests.support.gguf_files import build_tiny, fetch_smollm2, peer_module
+from tests.support.gguf_files import build_tiny, fetch_smollm2, greedy_tokens
 
 TEXTS = ["What is the capital of France?", "12345 digits 3.14159 and  double  spaces\n\n\tTab  \n",
          "Ünïcödé — 日本語のテキスト 🙂 émigré", "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
          "<think>\nhmm\n</think>\n\nI'm sure you've", "def f(x):\n    return x**2  # ok", "   leading spaces"]
-
-
-@pytest.fixture(scope="module")
-def peer():
-    mod = peer_module()
-    mod.ensure_peer()
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -64,15 +57,6 @@ def test_converted_qwen_tokenizer_matches_llama_cpp(peer, files):
             assert ours.encode(text) == p.tokenize(text), text
 
 
-def our_greedy(lm, prompt: list[int], n: int) -> list[int]:
-    cache = lm.model.new_cache(len(prompt) + n)
-    out, step = [], prompt
-    for _ in range(n):
-        out.append(int(lm.model.forward(np.array(step), cache).argmax()))
-        step = [out[-1]]
-    return out
-
-
 @pytest.mark.parametrize("model", ["qwen3", "llama", "qwen2"])
 @pytest.mark.parametrize("kind", ["f32", "f16"])
 def test_same_greedy_tokens_as_llama_cpp(peer, files, model, kind):
@@ -81,7 +65,7 @@ def test_same_greedy_tokens_as_llama_cpp(peer, files, model, kind):
                                                          add_generation_prompt=True))
     with peer.LlamaCppPeer(files[model, kind], n_threads=2) as p:
         theirs = p.greedy(prompt, 12)
-    assert our_greedy(lm, prompt, 12) == theirs
+    assert greedy_tokens(lm, prompt, 12) == theirs
 
 
 @pytest.mark.parametrize("model", ["qwen3", "llama"])

@@ -29,7 +29,7 @@ import pytest
 from appliance import convert
 from appliance.engine.load import load_model
 from tests.support import tiny_models
-from tests.support.gguf_files import peer_module
+from tests.support.gguf_files import greedy_tokens
 
 # llama.cpp file type -> the tensor types it must hold for the test to test them (all but the MoE's attention
 # and head; for the MoE: in its stacked expert tensors)
@@ -42,13 +42,6 @@ MOE_EXPERT_TYPES = {"Q4_K_M": {"Q4_K"}, "Q5_K_M": {"Q5_K"}, "Q5_0": {"Q5_0"}, "Q
 CASES = [(m, f) for m in ("dense", "moe") for f in FTYPES]
 TEXT = "The quick brown fox jumps over the lazy dog. 12345, said she."
 N_GREEDY = 16
-
-
-@pytest.fixture(scope="module")
-def peer():
-    mod = peer_module()
-    mod.ensure_peer()
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -82,16 +75,6 @@ def tensor_types(path: str, experts_only: bool) -> collections.Counter:
     import gguf
     return collections.Counter(t.tensor_type.name for t in gguf.GGUFReader(path).tensors
                                if len(t.shape) > 1 and (not experts_only or "_exps" in t.name))
-
-
-def greedy(lm, prompt: list[int], n: int) -> list[int]:
-    """Our greedy tokens: the prompt in one forward, then one token per step (the decode kernels)."""
-    cache = lm.model.new_cache(len(prompt) + n)
-    out, step = [], prompt
-    for _ in range(n):
-        out.append(int(lm.model.forward(np.array(step), cache).argmax()))
-        step = [out[-1]]
-    return out
 
 
 def assert_same_or_near_tie(p, lm, prompt: list[int], ours: list[int], theirs: list[int]) -> None:
@@ -132,7 +115,7 @@ def test_llama_cpp_quantized_file_runs_like_llama_cpp(peer, quantized, model, ft
         decisive = (top2[:, 1] - top2[:, 0] > 0.5) & same_routing
         assert decisive.sum() >= len(ids) // 4
         assert np.array_equal(ours.argmax(-1)[decisive], theirs.argmax(-1)[decisive])
-        assert_same_or_near_tie(p, lm, prompt, greedy(lm, prompt, N_GREEDY), p.greedy(prompt, N_GREEDY))
+        assert_same_or_near_tie(p, lm, prompt, greedy_tokens(lm, prompt, N_GREEDY), p.greedy(prompt, N_GREEDY))
 
 
 def test_llama_cpp_q3_k_m_moe_through_the_cli_server(peer, quantized, cli_server):

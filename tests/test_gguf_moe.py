@@ -7,7 +7,6 @@ from appliance import convert
 from appliance.engine.load import load_model
 from appliance.engine.qwen3_moe import SparseMoE
 from appliance.engine.safetensors import SafeTensors
-from tests.support.gguf_files import peer_module
 
 PROMPT = [151644, 872, 198, 9707, 11, 1246, 525, 498, 30, 151645, 198, 151644, 77091, 198]
 
@@ -86,13 +85,6 @@ def test_convert_refuses_what_llama_cpp_would_compute_differently(tiny_qwen3_moe
     assert convert.main([tiny_qwen3_moe_unnormed, str(tmp_path / "x.gguf"), "--type", "f16"]) != 0
     err = capsys.readouterr().err
     assert "norm_topk_prob" in err and "Traceback" not in err
-
-
-@pytest.fixture(scope="module")
-def peer():
-    mod = peer_module()
-    mod.ensure_peer()
-    return mod
 
 
 def test_same_greedy_tokens_as_llama_cpp_in_f16(peer, moe_files):

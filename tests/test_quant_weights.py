@@ -56,6 +56,25 @@ def test_quant_weight_rejects_bad_input():
         w.rows(np.array([4]))
 
 
+@pytest.mark.parametrize("qtype", [q for q in QType if BLOCK[q][0] > 1], ids=lambda t: t.name)
+def test_bad_sizes_are_refused(qtype):
+    """A row that is not a whole number of blocks, or data of another size than the shape needs, is a ValueError
+    (QuantWeight, and the native wrappers for the rows they are handed)."""
+    bs, nbytes = BLOCK[qtype]
+    raw = random_weight(qtype, 3, 2 * bs, np.random.default_rng(int(qtype)))
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        QuantWeight(qtype, (3, 2 * bs - 16), raw)
+    with pytest.raises(ValueError, match="needs"):
+        QuantWeight(qtype, (3, bs), raw)
+    if kernels.available():
+        x = np.zeros((1, 2 * bs), np.float32)
+        for bad in (raw[:, :-1], raw[:, : nbytes + 1]):
+            with pytest.raises(ValueError, match="whole number of blocks"):
+                kernels.matmul(qtype, bad, x)
+            with pytest.raises(ValueError, match="whole number of blocks"):
+                kernels.dequantize(qtype, bad)
+
+
 def test_half_weight_serves_bf16_bits_in_place():
     rng = np.random.default_rng(1)
     bits = rng.integers(0x3c00, 0x3f80, (6, 64), dtype=np.uint16)  # bf16 in [2^-7, 1)

@@ -28,6 +28,19 @@ def peer_module():
     return _load_script("kestrel_peer", "bench/peer.py")
 
 
+def greedy_tokens(lm, prompt: list[int], n: int) -> list[int]:
+    """A loaded model's n greedy tokens after prompt: the prompt in one forward, then one token per step (the
+    decode kernels), argmax of the logits (no sampler)."""
+    import numpy as np
+
+    cache = lm.model.new_cache(len(prompt) + n)
+    out, step = [], prompt
+    for _ in range(n):
+        out.append(int(lm.model.forward(np.array(step), cache).argmax()))
+        step = [out[-1]]
+    return out
+
+
 def build_tiny(out_dir: str, arch: str = "llama", seed: int = 3) -> str:
     """A tiny random LlamaForCausalLM or Qwen2ForCausalLM (q/k/v biases) with GQA 4:2 and an untied head,
     using the Qwen tokenizer and chat template."""

@@ -103,12 +103,17 @@ float kq_fp16_to_fp32(uint16_t h);
 void kq_dequantize_row(int qtype, const uint8_t *w, int64_t n, float *out);
 void kq_q4k_scales(const uint8_t *q, int32_t sc[8], int32_t m[8]);
 extern const int8_t kq_iq4_values[16]; /* IQ4_NL / IQ4_XS: the non-linear grid a nibble indexes */
-/* the 32 integer values of one Q5_0 (u - 16), Q5_1 (u) or IQ4_NL (grid values) block, in element order */
+/* the 32 integer values of one block of a 32-element format, in element order: Q8_0's, Q4_0's nibble - 8, Q4_1's
+ * nibble, Q5_0's u - 16, Q5_1's u (u: nibble + 16 * its qh bit), IQ4_NL's grid values */
 void kq_b32_values(int qtype, const uint8_t *blk, int8_t v[32]);
 void kq_q3k_scales(const uint8_t *q, int32_t s[16]);      /* Q3_K: the 16 signed 6-bit scales of 12 packed bytes */
 void kq_q3k_values(const blk_q3_K *B, int8_t v[256]);      /* Q3_K: the values -4..3 in element order */
 void kq_q2k_values(const uint8_t *qs, int8_t v[256]);      /* Q2_K: the values 0..3 in element order */
 void kq_iq4xs_scales(const blk_iq4_xs *B, int32_t s[8]); /* IQ4_XS: the 8 signed 6-bit scales */
+/* one super-block of a K format (Q2_K..Q6_K, IQ4_XS) as plain integers: its signed values v (element order), a scale
+ * per 16 values s, a min per 16 values m (0 but for Q2_K, Q4_K, Q5_K) and the fp16 factors d, dmin as floats, so that
+ * its dot with act256 y is d * d_y * sum_g s_g (v_g . y_g) - dmin * d_y * sum_g m_g bsums_g (the tile kernels' sums) */
+void kq_k_unpack(int qtype, const uint8_t *blk, int8_t v[256], int16_t s[16], int16_t m[16], float *d, float *dmin);
 
 /* A row-tile kernel: outputs out[t*ldo + r] for rows r0..r0+nr-1 (nr <= 4) and columns t0..t1-1.
  * w points at row 0; act is the quantized (or float) activation matrix. */

@@ -100,15 +100,19 @@ void kq_q4k_scales(const uint8_t *q, int32_t sc[8], int32_t m[8]) {
 const int8_t kq_iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 void kq_b32_values(int qtype, const uint8_t *blk, int8_t v[32]) {
+    if (qtype == KQ_Q8_0) { memcpy(v, ((const blk_q8_0 *)blk)->qs, 32); return; }
+    const uint8_t *qs = qtype == KQ_Q5_0 ? ((const blk_q5_0 *)blk)->qs : qtype == KQ_Q5_1 ? ((const blk_q5_1 *)blk)->qs
+                      : qtype == KQ_Q4_1 ? ((const blk_q4_1 *)blk)->qs : blk + 2; /* Q4_0, IQ4_NL: after d */
     if (qtype == KQ_IQ4_NL) {
-        const blk_iq4_nl *B = (const blk_iq4_nl *)blk;
-        for (int k = 0; k < 16; k++) { v[k] = kq_iq4_values[B->qs[k] & 0xF]; v[k + 16] = kq_iq4_values[B->qs[k] >> 4]; }
+        for (int k = 0; k < 16; k++) { v[k] = kq_iq4_values[qs[k] & 0xF]; v[k + 16] = kq_iq4_values[qs[k] >> 4]; }
         return;
     }
-    const uint8_t *qh = qtype == KQ_Q5_0 ? ((const blk_q5_0 *)blk)->qh : ((const blk_q5_1 *)blk)->qh;
-    const uint8_t *qs = qtype == KQ_Q5_0 ? ((const blk_q5_0 *)blk)->qs : ((const blk_q5_1 *)blk)->qs;
-    const uint32_t h = (uint32_t)qh[0] | (uint32_t)qh[1] << 8 | (uint32_t)qh[2] << 16 | (uint32_t)qh[3] << 24;
-    const int off = qtype == KQ_Q5_0 ? 16 : 0;
+    uint32_t h = 0; /* the fifth bits (Q5_0, Q5_1) */
+    if (qtype == KQ_Q5_0 || qtype == KQ_Q5_1) {
+        const uint8_t *qh = qs - 4;
+        h = (uint32_t)qh[0] | (uint32_t)qh[1] << 8 | (uint32_t)qh[2] << 16 | (uint32_t)qh[3] << 24;
+    }
+    const int off = qtype == KQ_Q4_0 ? 8 : qtype == KQ_Q5_0 ? 16 : 0;
     for (int k = 0; k < 16; k++) {
         v[k] = (int8_t)(((qs[k] & 0xF) | ((h >> k) & 1) << 4) - off);
         v[k + 16] = (int8_t)(((qs[k] >> 4) | ((h >> (k + 16)) & 1) << 4) - off);
@@ -133,81 +137,100 @@ void kq_iq4xs_scales(const blk_iq4_xs *B, int32_t s[8]) {
     for (int j = 0; j < 8; j++) s[j] = (((B->scales_l[j / 2] >> (4 * (j % 2))) & 0xF) | (((h >> (2 * j)) & 3) << 4)) - 32;
 }
 
+void kq_k_unpack(int qtype, const uint8_t *blk, int8_t v[256], int16_t s[16], int16_t m[16], float *d, float *dmin) {
+    int32_t a[16], b[16];
+    memset(m, 0, 16 * sizeof *m);
+    *dmin = 0.0f;
+    switch (qtype) {
+    case KQ_Q2_K: {
+        const blk_q2_K *B = (const blk_q2_K *)blk;
+        kq_q2k_values(B->qs, v);
+        for (int g = 0; g < 16; g++) { s[g] = B->scales[g] & 0xF; m[g] = B->scales[g] >> 4; }
+        *d = kq_fp16_to_fp32(kq_ld16(&B->d));
+        *dmin = kq_fp16_to_fp32(kq_ld16(&B->dmin));
+        break;
+    }
+    case KQ_Q3_K:
+        kq_q3k_values((const blk_q3_K *)blk, v);
+        kq_q3k_scales(((const blk_q3_K *)blk)->scales, a);
+        for (int g = 0; g < 16; g++) s[g] = (int16_t)a[g];
+        *d = kq_fp16_to_fp32(kq_ld16(&((const blk_q3_K *)blk)->d));
+        break;
+    case KQ_Q4_K: case KQ_Q5_K: {
+        const size_t bb = qtype == KQ_Q4_K ? sizeof(blk_q4_K) : sizeof(blk_q5_K);
+        const uint8_t *qh = blk + 16, *qs = blk + bb - 128;
+        kq_q4k_scales(blk + 4, a, b);
+        for (int i = 0; i < 256; i++) {
+            const int j = i / 32, k = i % 32, q = qs[32 * (j / 2) + k];
+            v[i] = (int8_t)((j & 1 ? q >> 4 : q & 0xF) | (qtype == KQ_Q5_K ? ((qh[k] >> j) & 1) << 4 : 0));
+        }
+        for (int g = 0; g < 16; g++) { s[g] = (int16_t)a[g / 2]; m[g] = (int16_t)b[g / 2]; }
+        *d = kq_fp16_to_fp32(kq_ld16(blk));
+        *dmin = kq_fp16_to_fp32(kq_ld16(blk + 2));
+        break;
+    }
+    case KQ_Q6_K: {
+        const blk_q6_K *B = (const blk_q6_K *)blk;
+        for (int i = 0; i < 256; i++) { /* element 128 h + 32 c + l */
+            const int h = i / 128, c = i / 32 % 4, l = i % 32, q = B->ql[64 * h + 32 * (c & 1) + l];
+            v[i] = (int8_t)(((c & 2 ? q >> 4 : q & 0xF) | (((B->qh[32 * h + l] >> (2 * c)) & 3) << 4)) - 32);
+        }
+        for (int g = 0; g < 16; g++) s[g] = B->scales[g];
+        *d = kq_fp16_to_fp32(kq_ld16(&B->d));
+        break;
+    }
+    case KQ_IQ4_XS: {
+        const blk_iq4_xs *B = (const blk_iq4_xs *)blk;
+        for (int k = 0; k < 128; k++) {
+            v[32 * (k / 16) + k % 16] = kq_iq4_values[B->qs[k] & 0xF];
+            v[32 * (k / 16) + k % 16 + 16] = kq_iq4_values[B->qs[k] >> 4];
+        }
+        kq_iq4xs_scales(B, a);
+        for (int g = 0; g < 16; g++) s[g] = (int16_t)a[g / 2];
+        *d = kq_fp16_to_fp32(kq_ld16(&B->d));
+        break;
+    }
+    }
+}
+
 void kq_dequantize_row(int qtype, const uint8_t *w, int64_t n, float *y) {
     switch (qtype) {
     case KQ_F32: memcpy(y, w, (size_t)n * 4); break;
     case KQ_F16: for (int64_t i = 0; i < n; i++) y[i] = kq_fp16_to_fp32(kq_ld16(w + 2 * i)); break;
     case KQ_BF16: for (int64_t i = 0; i < n; i++) y[i] = bf16_to_fp32(kq_ld16(w + 2 * i)); break;
-    case KQ_Q8_0:
-        for (int64_t b = 0; b < n / 32; b++, y += 32) {
-            const blk_q8_0 *B = (const blk_q8_0 *)w + b;
-            float d = kq_fp16_to_fp32(kq_ld16(&B->d));
-            for (int k = 0; k < 32; k++) y[k] = d * (float)B->qs[k];
-        }
-        break;
-    case KQ_Q4_0:
-        for (int64_t b = 0; b < n / 32; b++, y += 32) {
-            const blk_q4_0 *B = (const blk_q4_0 *)w + b;
-            float d = kq_fp16_to_fp32(kq_ld16(&B->d));
-            for (int k = 0; k < 16; k++) {
-                y[k] = d * (float)((B->qs[k] & 0xF) - 8);
-                y[k + 16] = d * (float)((B->qs[k] >> 4) - 8);
-            }
-        }
-        break;
-    case KQ_Q4_1:
-        for (int64_t b = 0; b < n / 32; b++, y += 32) {
-            const blk_q4_1 *B = (const blk_q4_1 *)w + b;
-            float d = kq_fp16_to_fp32(kq_ld16(&B->d)), m = kq_fp16_to_fp32(kq_ld16(&B->m));
-            for (int k = 0; k < 16; k++) {
-                y[k] = d * (float)(B->qs[k] & 0xF) + m;
-                y[k + 16] = d * (float)(B->qs[k] >> 4) + m;
-            }
-        }
-        break;
-    case KQ_Q5_0: case KQ_Q5_1: case KQ_IQ4_NL: {
+    case KQ_Q8_0: case KQ_Q4_0: case KQ_Q4_1: case KQ_Q5_0: case KQ_Q5_1: case KQ_IQ4_NL: {
         const size_t bb = kq_row_bytes(qtype, 32);
         for (int64_t b = 0; b < n / 32; b++, y += 32) {
             const uint8_t *B = w + b * bb;
             int8_t v[32];
             kq_b32_values(qtype, B, v);
-            float d = kq_fp16_to_fp32(kq_ld16(B)), m = qtype == KQ_Q5_1 ? kq_fp16_to_fp32(kq_ld16(B + 2)) : 0.0f;
-            if (qtype == KQ_Q5_1)
+            const int has_min = qtype == KQ_Q4_1 || qtype == KQ_Q5_1;
+            float d = kq_fp16_to_fp32(kq_ld16(B)), m = has_min ? kq_fp16_to_fp32(kq_ld16(B + 2)) : 0.0f;
+            if (has_min)
                 for (int k = 0; k < 32; k++) y[k] = d * (float)v[k] + m;
             else
                 for (int k = 0; k < 32; k++) y[k] = d * (float)v[k];
         }
         break;
     }
-    case KQ_Q4_K:
+    case KQ_Q4_K: case KQ_Q5_K: { /* Q5_K: Q4_K's fields with qh (the fifth bits) before the nibbles */
+        const size_t bb = qtype == KQ_Q4_K ? sizeof(blk_q4_K) : sizeof(blk_q5_K);
         for (int64_t b = 0; b < n / 256; b++) {
-            const blk_q4_K *B = (const blk_q4_K *)w + b;
-            float d = kq_fp16_to_fp32(kq_ld16(&B->d)), dmin = kq_fp16_to_fp32(kq_ld16(&B->dmin));
+            const uint8_t *B = w + b * bb, *qh = B + 16, *qs = B + bb - 128;
+            float d = kq_fp16_to_fp32(kq_ld16(B)), dmin = kq_fp16_to_fp32(kq_ld16(B + 2));
             int32_t sc[8], m[8];
-            kq_q4k_scales(B->scales, sc, m);
-            for (int j = 0; j < 8; j++) { /* sub-block j: low (j even) or high nibbles of qs[32 (j / 2) ..] */
-                const uint8_t *q = B->qs + 32 * (j / 2);
-                float d1 = d * (float)sc[j], m1 = dmin * (float)m[j];
-                for (int k = 0; k < 32; k++) *y++ = d1 * (float)(j & 1 ? q[k] >> 4 : q[k] & 0xF) - m1;
-            }
-        }
-        break;
-    case KQ_Q5_K:
-        for (int64_t b = 0; b < n / 256; b++) {
-            const blk_q5_K *B = (const blk_q5_K *)w + b;
-            float d = kq_fp16_to_fp32(kq_ld16(&B->d)), dmin = kq_fp16_to_fp32(kq_ld16(&B->dmin));
-            int32_t sc[8], m[8];
-            kq_q4k_scales(B->scales, sc, m);
-            for (int j = 0; j < 8; j++) { /* sub-block j: nibbles of qs[32 (j / 2) ..], bit j of qh */
-                const uint8_t *q = B->qs + 32 * (j / 2);
+            kq_q4k_scales(B + 4, sc, m);
+            for (int j = 0; j < 8; j++) { /* sub-block j: low (j even) or high nibbles of qs[32 (j / 2) ..], bit j of qh */
+                const uint8_t *q = qs + 32 * (j / 2);
                 float d1 = d * (float)sc[j], m1 = dmin * (float)m[j];
                 for (int k = 0; k < 32; k++) {
-                    int u = ((j & 1 ? q[k] >> 4 : q[k] & 0xF)) | (((B->qh[k] >> j) & 1) << 4);
+                    int u = (j & 1 ? q[k] >> 4 : q[k] & 0xF) | (qtype == KQ_Q5_K ? ((qh[k] >> j) & 1) << 4 : 0);
                     *y++ = d1 * (float)u - m1;
                 }
             }
         }
         break;
+    }
     case KQ_Q2_K: case KQ_Q3_K:
         for (int64_t b = 0; b < n / 256; b++, y += 256) {
             int8_t v[256];
