@@ -2,7 +2,7 @@
 
 Each round starts, from an empty directory, `python -m appliance --model M` (this tree, the interpreter running
 the bench) and, when given (`--frozen PATH`, e.g. dist/x86_64/kestrel-appliance), the one-file executable (its
-own clean environment and TMPDIR, as tests/test_frozen_smoke.py runs it), and also the import floor: the same
+own clean environment and TMPDIR, as tests/system/test_frozen_smoke.py runs it), and also the import floor: the same
 interpreter importing just the third-party packages the server needs (numpy, trio, h11, tokenizers, jinja2,
 llguidance) and exiting, the part of a start no change of ours removes. /health is polled every 10 ms;
 the server's `start-up ... ms to ready:` log line gives each part (appliance/engine/load/phases.py: for the

@@ -19,4 +19,4 @@ file "$OUT/kq_driver" | grep -q aarch64
 export KESTREL_KERNEL_DRIVER="$QEMU -L $SYSROOT $OUT/kq_driver"
 "$PY" -c 'from tests.support.kernel_driver import kernels_under_test as k; k = k()
 print("aarch64 kernels under qemu: best SIMD level", k.simd_max(), k.simd_name())'
-"$PY" -m pytest -q tests/test_native_kernels.py
+"$PY" -m pytest -q tests/native/test_native_kernels.py

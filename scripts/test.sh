@@ -6,10 +6,10 @@ cd "$(dirname "$0")/.."
 sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | { grep -v '^WARNING: Location' || true; }
-# Debian packages the suite drives for real: nginx (tests/test_server_proxy.py starts its own reverse proxy),
-# the aarch64 cross compiler + qemu-user (tests/test_native_qemu_aarch64.py), debootstrap + binfmt + systemd
-# (tests/test_image_install.py installs into an arm64 root file system and runs systemd-analyze verify),
-# chromium (tests/test_web_chat.py drives the chat page in it with playwright).
+# Debian packages the suite drives for real: nginx (tests/system/test_server_proxy.py starts its own reverse proxy),
+# the aarch64 cross compiler + qemu-user (tests/system/test_native_qemu_aarch64.py), debootstrap + binfmt + systemd
+# (tests/system/test_image_install.py installs into an arm64 root file system and runs systemd-analyze verify),
+# chromium (tests/system/test_web_chat.py drives the chat page in it with playwright).
 # The aarch64 executable's build (build/build_aarch64.sh, below) cross-compiles CPython with clang/lld here.
 packages="nginx gcc-aarch64-linux-gnu qemu-user-static binfmt-support debootstrap systemd chromium
           clang lld binutils-aarch64-linux-gnu pkg-config python3.11 make"
@@ -20,7 +20,7 @@ fi
 
 # The full run (no arguments) first builds and smoke-tests the aarch64 executable boards run: built under qemu
 # from a debootstrapped Debian 11 arm64 root (cached in ~/.cache/kestrel-build; from nothing on a fresh machine,
-# 18.7 min on two cores at load 6-10), then tests/test_frozen_smoke.py runs it under qemu (health, streamed chat, images,
+# 18.7 min on two cores at load 6-10), then tests/system/test_frozen_smoke.py runs it under qemu (health, streamed chat, images,
 # sd_notify, SIGTERM, one-shot) and build/deb.sh packages it. A failing build is retried (mirrors and PyPI
 # flake; cached steps are not repeated); a failure stops here with the log's tail, before the suite.
 # KESTREL_AARCH64=0 leaves this stage out of a local full run; CI (.ci/run) always runs it.
@@ -40,8 +40,8 @@ if [ $# -eq 0 ] && [ "${KESTREL_AARCH64:-1}" != 0 ]; then
     t1=$(date +%s)
     echo "test.sh: aarch64 build $(( t1 - t0 )) s ($(grep -o 'build_aarch64: \[[0-9]*s\] [a-z]*' "$log" | tr '\n' ' '))"
     KESTREL_FROZEN_BINARY=dist/aarch64/kestrel-appliance .venv/bin/python -m pytest -q -p no:cacheprovider \
-        tests/test_frozen_smoke.py \
-        || { echo "test.sh: FAILED: aarch64 smoke test (tests/test_frozen_smoke.py under qemu)" >&2; exit 1; }
+        tests/system/test_frozen_smoke.py \
+        || { echo "test.sh: FAILED: aarch64 smoke test (tests/system/test_frozen_smoke.py under qemu)" >&2; exit 1; }
     t2=$(date +%s)
     deb=$(bash build/deb.sh --arch arm64 2>>"$log") || { echo "test.sh: FAILED: build/deb.sh --arch arm64" >&2; exit 1; }
     echo "test.sh: aarch64 smoke $(( t2 - t1 )) s; $(stat -c %s dist/aarch64/kestrel-appliance) bytes; $deb"

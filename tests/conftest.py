@@ -11,33 +11,24 @@ from tests.support.live_server import start_cli_server
 
 FIXTURES = tiny_models.FIXTURES
 
-# Test tiers (markers, registered in pyproject.toml), by file: `pytest -m "not system"` is the fast tier a
-# developer runs while changing code; `bash scripts/test.sh` (the README's command, .ci/run) runs every tier
-# but the sanitizer builds (`pytest -m sanitize`). A file not listed here is an engine test.
-TIERS = {
-    "protocol": ("test_protocol_", "test_chat_template", "test_text_stream", "test_tokenizer", "test_qwen_tokenizer",
-                 "test_gguf_tokenizer", "test_sampling", "test_constraint", "test_layering"),
-    "native": ("test_native_", "test_cpu_topology", "test_quant_weights"),
-    "server": ("test_server_", "test_cli", "test_ollama_server", "test_responses_server", "test_prefix_reuse_server",
-               "test_qwen3_vl_server", "test_web_page"),
-    # the whole system: frozen executables, board images and packages, peers built from source, a browser,
-    # a reverse proxy, another architecture under qemu, sanitizer builds
-    "system": ("test_frozen_smoke", "test_image_install", "test_image_systemd_notify", "test_deb_package",
-               "test_native_qemu_aarch64", "test_native_sanitizers", "test_gguf_llama_cpp", "test_peer_isa",
-               "test_web_chat", "test_server_proxy", "test_system_"),
-}
+# Test tiers (markers, registered in pyproject.toml), by folder: tests/protocol/, tests/engine/, tests/native/,
+# tests/server/, tests/system/ (the whole system: frozen executables, board images and packages, peers built from
+# source, a browser, a reverse proxy, another architecture under qemu, sanitizer builds, soaks). `pytest -m "not
+# system"` is the fast tier a developer runs while changing code; `bash scripts/test.sh` (the README's command,
+# .ci/run) runs every tier but the sanitizer builds (`pytest -m sanitize`).
+TIER_FOLDERS = ("protocol", "engine", "native", "server", "system")
 
 
-def tier_of(filename: str) -> str:
-    for tier in ("system", "protocol", "native", "server"):  # system first: it overrides the others' prefixes
-        if filename.startswith(TIERS[tier]):
-            return tier
-    return "engine"
+def tier_of(path: str) -> str:
+    folder = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    if folder not in TIER_FOLDERS:
+        raise pytest.UsageError(f"{path}: a test file lives in one of tests/{{{','.join(TIER_FOLDERS)}}}/")
+    return folder
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        item.add_marker(getattr(pytest.mark, tier_of(os.path.basename(str(item.fspath)))))
+        item.add_marker(getattr(pytest.mark, tier_of(str(item.fspath))))
 
 
 @pytest.fixture(scope="session")
@@ -96,7 +87,7 @@ def scripted_qwen3(tmp_path_factory) -> str:
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Where the chat page's screenshots went (tests/test_web_chat.py), so a person can look at them."""
+    """Where the chat page's screenshots went (tests/system/test_web_chat.py), so a person can look at them."""
     from tests.support.browser import SCREENSHOTS
     if SCREENSHOTS:
         terminalreporter.write_sep("-", f"chat page screenshots in {os.path.dirname(SCREENSHOTS[0])}")

@@ -1,6 +1,6 @@
 """Argument checks shared by the ctypes wrappers (kernels.py): every array C reads is converted to the dtype and
 layout C expects and its shape checked against the sizes passed with it, so a wrong shape, rank or dtype is a
-ValueError or TypeError in Python, never a read or write past an array in C (tests/test_native_fuzz_invalid.py).
+ValueError or TypeError in Python, never a read or write past an array in C (tests/native/test_native_fuzz_invalid.py).
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = sorted(glob.glob(os.path.join(HERE, "src", "*.c")))
 CFLAGS = ["-O3", "-std=gnu11", "-ffp-contract=off", "-fno-trapping-math", "-fvisibility=default", "-pthread"]
 DEFAULT_OUT = os.path.join(HERE, "_kestrel_native.so")
-# Checked builds for the sanitizer test tier (tests/test_native_sanitizers.py). Loaded into an uninstrumented
+# Checked builds for the sanitizer test tier (tests/system/test_native_sanitizers.py). Loaded into an uninstrumented
 # Python with LD_PRELOAD of the runtime (sanitizer_runtime); never shipped. "address" includes UBSan.
 SANITIZE = {
     "address": ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"],

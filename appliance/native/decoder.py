@@ -8,7 +8,7 @@ SwiGLU MLP or the routed experts of a mixture-of-experts layer bound as kernels.
 layer inside the same call; its counts go to the layer's callback after each forward) — otherwise it returns
 None and the engine keeps its numpy layers. KV caches must be float32 or float16 and contiguous (`serves`).
 Numerics: the same C matmuls as QuantWeight, float32 norms/RoPE/attention; equal to the numpy layers within
-float rounding (tests/test_native_decoder.py).
+float rounding (tests/native/test_native_decoder.py).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Shared pieces of the native fuzz tests (tests/test_native_fuzz*.py): hypothesis settings, the layouts an
+"""Shared pieces of the native fuzz tests (tests/native/test_native_fuzz*.py): hypothesis settings, the layouts an
 input array may arrive in, and the pool/SIMD configuration an example runs under.
 
 Policy: examples are derandomized (the same examples every run, so CI is reproducible) and modest in number;

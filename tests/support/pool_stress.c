@@ -1,4 +1,4 @@
-/* Stress of the native thread pool (src/pool.c) for tests/test_native_pool.py: back-to-back jobs of different
+/* Stress of the native thread pool (src/pool.c) for tests/native/test_native_pool.py: back-to-back jobs of different
  * sizes (9, 72 and 192 items, as a decode step's products), each item checking that the job's context is still
  * the one its poster built and counting itself; the poster wipes the context when it returns (its stack frame
  * dies). A chunk run twice or run after its poster returned shows as "bad". Prints "jobs N bad B". */

@@ -1,6 +1,6 @@
 """A mixed load with images against the real server process (`python -m appliance --queue Q` on the tiny
 Qwen3-VL checkpoint, real sockets): what `tests/system/soak.py --mixed-minutes M` runs, and
-tests/test_system_soak.py for ~25 s.
+tests/system/test_system_soak.py for ~25 s.
 
 - `threads` clients loop until the deadline over a random mix of KINDS: streamed and non-stream chats with
   PNG/JPEG/WebP images of random sizes up to 2000x2000 (one to three per message) or text only, /v1/completions

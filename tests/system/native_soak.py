@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Decode soak of the native library, for the sanitizer tier (tests/test_native_sanitizers.py) and by hand:
+"""Decode soak of the native library, for the sanitizer tier (tests/system/test_native_sanitizers.py) and by hand:
 
     python tests/system/native_soak.py [--model FILE.gguf] [--rounds 6] [--tokens 24]
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Soak and fuzz of the real server (worker thread + trio + h11 on loopback), the long version of the `system`
-test tier (tests/test_system_soak.py runs the same scenarios with small counts):
+test tier (tests/system/test_system_soak.py runs the same scenarios with small counts):
 
     python tests/system/soak.py [--model DIR_OR_GGUF] [--disconnects 1000] [--requests 100000] [--json out.json]
                                 [--mixed-minutes 30 [--mixed-threads 6] [--mixed-queue 4] [--server-log F]]

@@ -1,5 +1,5 @@
 """The chat page as HTTP: who gets it at / and /chat/, its headers (CSP by hash), its size, /props, the API key
-and --no-web. The page's behaviour in a real browser is tests/test_web_chat.py."""
+and --no-web. The page's behaviour in a real browser is tests/system/test_web_chat.py."""
 from __future__ import annotations
 
 import base64

@@ -20,7 +20,7 @@ from appliance.engine.load import load_model
 from appliance.engine.resident import ResidentBudgetError, set_max_resident
 from appliance.engine.sampling import SamplingParams
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MiB = 1 << 20
 PROMPT = list(range(1000, 1040))
 

@@ -1,5 +1,5 @@
 """Disconnects and the queue on the Ollama API and the Responses API: the same engine-side checks as
-tests/test_server_cancel.py (the worker's JobTrace), and each API's own shape for the queue's 429 and for
+tests/server/test_server_cancel.py (the worker's JobTrace), and each API's own shape for the queue's 429 and for
 what a queued stream receives."""
 from __future__ import annotations
 
@@ -147,7 +147,7 @@ def test_random_bodies_over_the_wire_get_200_or_a_4xx_in_each_apis_shape(server)
     stream we then drop, which cancels it) or a 4xx in that API's error shape; the server keeps serving."""
     import random
 
-    from tests.test_protocol_fuzz import ollama_mutate, responses_mutate
+    from tests.protocol.test_protocol_fuzz import ollama_mutate, responses_mutate
     rng = random.Random(7)
     seen: dict[int, int] = {}
     for i in range(90):

@@ -23,7 +23,7 @@ import pytest
 
 from tests.support.live_server import wait_healthy
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CACHE = os.path.expanduser(os.environ.get("KESTREL_BUILD_CACHE", "~/.cache/kestrel-build"))
 ELF_MACHINES = {62: "x86_64", 183: "aarch64"}
 KEY = "sk-frozen-smoke"

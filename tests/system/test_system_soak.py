@@ -1,4 +1,4 @@
-"""Part of the `system` tier (scripts/test.sh runs it; alone: `pytest tests/test_system_soak.py`, ~4 min): the
+"""Part of the `system` tier (scripts/test.sh runs it; alone: `pytest tests/system/test_system_soak.py`, ~4 min): the
 soak and fuzz scenarios of tests/system/soak.py with small counts against the real server, the mixed load with
 images for ~25 s, and SIGTERM under load through the real command line. The long versions (1,000 disconnects,
 100,000 generated requests, 30 minutes of mixed load, 300 start/serve/SIGTERM cycles) are the scripts in

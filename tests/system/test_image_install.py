@@ -4,7 +4,7 @@ checked by systemd's own `systemd-analyze verify` inside that root.
 The root file system is built once by build/rootfs.sh (debootstrap under qemu user-mode emulation, a few
 minutes) and cached under ~/.cache/kestrel-build; each test installs into a fresh copy. Needs root
 (debootstrap, binfmt_misc), useradd and systemd-analyze on the host. The installed "binary" is the target's
-own /bin/true: this file tests installation, the executable itself is tested by tests/test_frozen_*.py.
+own /bin/true: this file tests installation, the executable itself is tested by tests/system/test_frozen_*.py.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import subprocess
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 IMAGE = os.path.join(REPO, "image")
 CACHE = os.path.expanduser(os.environ.get("KESTREL_BUILD_CACHE", "~/.cache/kestrel-build"))
 ROOTFS = os.path.join(CACHE, "rootfs-arm64-bullseye-systemd")

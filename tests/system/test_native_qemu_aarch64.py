@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_aarch64_kernels_equal_twins_under_qemu():

@@ -1,9 +1,9 @@
 """The native library under AddressSanitizer + UndefinedBehaviorSanitizer and under ThreadSanitizer (the
-`sanitize` tier: `pytest -m sanitize tests/test_native_sanitizers.py`; not in the default run, ~5 min).
+`sanitize` tier: `pytest -m sanitize tests/system/test_native_sanitizers.py`; not in the default run, ~5 min).
 
 Each checked build (appliance.native.build --sanitize) is loaded into the ordinary Python with LD_PRELOAD of
 the sanitizer's runtime (Python itself is not instrumented; only our C code is checked). Under each, the native
-kernel and decoder tests and the entry points' fuzz tests (tests/test_native_fuzz*.py: hypothesis-drawn shapes,
+kernel and decoder tests and the entry points' fuzz tests (tests/native/test_native_fuzz*.py: hypothesis-drawn shapes,
 layouts and invalid arguments; numpy's arrays come from the sanitizer's malloc, so a read past one is caught) run,
 then the decode soak (tests/system/native_soak.py: a real Q4_1 GGUF on the x8
 copies built while a second thread runs products and switches SIMD levels, the pool resized between rounds).
@@ -22,7 +22,7 @@ from appliance.native import build
 from tests.support.gguf_files import fetch_smollm2
 
 pytestmark = pytest.mark.sanitize
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # the interpreter's own libraries are not instrumented: races inside numpy's BLAS threads are not ours
 TSAN_SUPPRESSIONS = "race:libscipy_openblas\nrace:libopenblas\n"
 
@@ -51,8 +51,8 @@ def assert_clean(proc: subprocess.CompletedProcess, logs: str) -> None:
 def test_native_tests_under_sanitizer(kind, tmp_path):
     env, logs = checked_env(kind, tmp_path)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not sanitize",
-                           "tests/test_native_kernels.py", "tests/test_native_decoder.py",
-                           "tests/test_native_fuzz.py", "tests/test_native_fuzz_invalid.py"],
+                           "tests/native/test_native_kernels.py", "tests/native/test_native_decoder.py",
+                           "tests/native/test_native_fuzz.py", "tests/native/test_native_fuzz_invalid.py"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-3000:]
     assert_clean(proc, logs)

@@ -1,10 +1,10 @@
 """Property-based fuzzing of every Python-callable native entry point against its numpy twin: hypothesis picks
 the shapes (empty, one, odd, not a multiple of a block or tile, a few hundred), the input layouts (Fortran
 order, strided, negative strides, float64), the SIMD level and the pool's thread count; the C result must equal
-the twin within the tolerance of the hand-written tests (tests/test_native_kernels.py, _decoder.py, _moe.py,
+the twin within the tolerance of the hand-written tests (tests/native/test_native_kernels.py, _decoder.py, _moe.py,
 _vision.py): bit-exact for the quantized products, quantizers, dequantizers and the x8 repack, a float
-tolerance elsewhere. Invalid arguments: tests/test_native_fuzz_invalid.py. The sanitizer tier
-(tests/test_native_sanitizers.py) runs both files under ASan/UBSan and TSan; KESTREL_FUZZ_SCALE=20 is the long run.
+tolerance elsewhere. Invalid arguments: tests/native/test_native_fuzz_invalid.py. The sanitizer tier
+(tests/system/test_native_sanitizers.py) runs both files under ASan/UBSan and TSan; KESTREL_FUZZ_SCALE=20 is the long run.
 """
 import os
 

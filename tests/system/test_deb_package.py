@@ -3,9 +3,9 @@ debootstrapped Debian 11 arm64 root file system (under qemu user-mode emulation:
 the root's own sh, getent, systemd-sysusers and deb-systemd-helper), and its unit checked by
 `systemd-analyze verify`.
 
-The root file system is tests/test_image_install.py's (build/rootfs.sh, cached). The packaged executable is the
+The root file system is tests/system/test_image_install.py's (build/rootfs.sh, cached). The packaged executable is the
 target's own /bin/true, as in test_image_install: this file tests packaging and the maintainer scripts; the
-executable itself is tested by tests/test_frozen_smoke.py (scripts/test.sh also packages the real aarch64 build).
+executable itself is tested by tests/system/test_frozen_smoke.py (scripts/test.sh also packages the real aarch64 build).
 """
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import subprocess
 
 import pytest
 
-from tests.test_image_install import passwd_entry, pristine_rootfs, read_env, target, verify  # noqa: F401
+from tests.system.test_image_install import passwd_entry, pristine_rootfs, read_env, target, verify  # noqa: F401
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PKG = "kestrel-appliance"
 UNIT = f"{PKG}.service"
 

@@ -2,7 +2,7 @@
 anything (ValueError for shapes and sizes, TypeError for types, IndexError for row ids out of range), never in a
 crash, an out-of-bounds access (the sanitizer tier runs this file under ASan) or a silent wrong answer; and
 non-finite inputs (NaN, inf) never take the library outside its arrays. hypothesis draws the case and its
-sizes; after each, a valid product still equals its twin. Valid arguments: tests/test_native_fuzz.py."""
+sizes; after each, a valid product still equals its twin. Valid arguments: tests/native/test_native_fuzz.py."""
 import functools
 import os
 
@@ -248,7 +248,7 @@ def test_non_finite_inputs_stay_in_bounds(data, E, T, machine, seed):
 def tiny_decoder():
     """A two-layer Qwen3-shaped model (Q8_0) bound for the native decoder: (model, NativeDecoder)."""
     from appliance.engine.layer_runner import native_layers
-    from tests.test_native_decoder import _model
+    from tests.native.test_native_decoder import _model
     m = _model("qwen3", ["Q8_0"], np.random.default_rng(5), D=64, H=4, KV=2, hd=16, I=64, L=2, V=17)
     return m, native_layers(m).decoder
 

@@ -1,6 +1,6 @@
 """PromptDiskCache on its own and inside the engine: the write runs on a writer thread from a snapshot (one in
 flight, a byte budget per hour); loading reads a file's header from its first bytes, opens only regular files,
-and skips a bad one with a warning naming it. The restart through the real CLI is tests/test_server_prompt_cache.py."""
+and skips a bad one with a warning naming it. The restart through the real CLI is tests/server/test_server_prompt_cache.py."""
 from __future__ import annotations
 
 import hashlib
