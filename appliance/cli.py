@@ -41,7 +41,7 @@ class CliError(Exception):
         self.status = status
 
 
-def load_failure_status(err: BaseException) -> int:
+def load_failure_status(err: BaseException | None) -> int:
     from .engine.load import UnsupportedTensorType
     return 2 if isinstance(err, UnsupportedTensorType) else 1
 
@@ -151,7 +151,7 @@ def _read_keys(args: argparse.Namespace) -> tuple[str, ...]:
         with open(args.api_key_file, encoding="utf-8") as f:
             keys = tuple(line.strip() for line in f if line.strip() and not line.lstrip().startswith("#"))
     except (OSError, UnicodeDecodeError) as e:
-        raise CliError(f"cannot read --api-key-file {args.api_key_file}: {getattr(e, 'strerror', None) or e}")
+        raise CliError(f"cannot read --api-key-file {args.api_key_file}: {getattr(e, 'strerror', None) or e}") from e
     if not keys:
         raise CliError(f"--api-key-file {args.api_key_file} holds no key")
     return keys
@@ -243,10 +243,10 @@ async def serve(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
     import trio
 
     from . import systemd
-    from .server.app import Api, ApiConfig
     from .engine.load import model_name
     from .engine.load.phases import startup_line
     from .h11_server import HttpServer, ServerConfig
+    from .server.app import Api, ApiConfig
     from .server.worker import Worker
 
     worker = Worker(load=lambda: _load(args, serving=True), queue_limit=args.queue)

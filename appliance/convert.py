@@ -24,8 +24,12 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType
 
 TYPES = {"f32": "F32", "f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
 FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0"}
@@ -170,8 +174,14 @@ class Source:
 def tensor_plan(st, cfg, moe=None) -> list[tuple[str, Source]]:
     """(gguf name, Source) in llama.cpp's usual order, named through the one table (engine/load/names.py). A
     mixture-of-experts layer's experts become one stacked tensor per projection."""
-    from appliance.engine.load.names import EXPERT_PROJECTIONS, LAYER_TENSORS, HFNames, gguf_experts, gguf_layer
-    from appliance.engine.load.names import gguf_model
+    from appliance.engine.load.names import (
+        EXPERT_PROJECTIONS,
+        LAYER_TENSORS,
+        HFNames,
+        gguf_experts,
+        gguf_layer,
+        gguf_model,
+    )
 
     hf = HFNames()
     plan = [(gguf_model("embed"), Source((hf.model("embed"),)))]
@@ -197,7 +207,7 @@ def tensor_plan(st, cfg, moe=None) -> list[tuple[str, Source]]:
     return plan
 
 
-def encode_tensor(w: np.ndarray, qtype_name: str, router: bool = False) -> tuple[np.ndarray, "object"]:
+def encode_tensor(w: np.ndarray, qtype_name: str, router: bool = False) -> tuple[np.ndarray, GGMLQuantizationType]:
     """float32 array -> (array to write, GGMLQuantizationType)."""
     import gguf
 

@@ -26,13 +26,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from appliance.engine.constraint import constraint_for  # noqa: E402
-from appliance.engine.generate import GenerationRequest  # noqa: E402
-from appliance.engine.load import load_model  # noqa: E402
-from appliance.engine.sampling import SamplingParams  # noqa: E402
-from appliance.native import kernels  # noqa: E402
-from appliance.protocol.structured import OutputFormat  # noqa: E402
-from gguf_bench import bench_file  # noqa: E402
+from gguf_bench import bench_file
+
+from appliance.engine.constraint import constraint_for
+from appliance.engine.generate import GenerationRequest
+from appliance.engine.load import load_model
+from appliance.engine.sampling import SamplingParams
+from appliance.native import kernels
+from appliance.protocol.structured import OutputFormat
 
 SCHEMA = {"type": "array", "minItems": 40, "items": {
     "type": "object", "additionalProperties": False, "required": ["name", "age", "city", "tags"],

@@ -22,8 +22,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-import peer  # noqa: E402
-from gguf_bench import Ours, interleaved, side_by_side  # noqa: E402
+import peer
+from gguf_bench import Ours, interleaved, side_by_side
 
 
 def busy_process() -> subprocess.Popen:

@@ -28,12 +28,12 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from appliance.engine.generate import GenerationRequest  # noqa: E402
-from appliance.engine.load.gguf import open_gguf  # noqa: E402
-from appliance.engine.load import load_model  # noqa: E402
-from appliance.engine.sampling import SamplingParams  # noqa: E402
-from appliance.native import kernels  # noqa: E402
-from tests.support.gguf_files import fetch_smollm2, peer_module  # noqa: E402
+from appliance.engine.generate import GenerationRequest
+from appliance.engine.load import load_model
+from appliance.engine.load.gguf import open_gguf
+from appliance.engine.sampling import SamplingParams
+from appliance.native import kernels
+from tests.support.gguf_files import fetch_smollm2, peer_module
 
 CACHE = os.path.expanduser(os.environ.get("KESTREL_BENCH_CACHE", "~/.cache/kestrel-bench"))
 QWEN3_1_7B = dict(hidden=2048, layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=6144, vocab=151936)

@@ -18,16 +18,14 @@ import os
 import statistics
 import sys
 
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gguf_bench import (CACHE, Ours, attention_plan, copy_bandwidth, interleaved, side_by_side,  # noqa: E402
-                        write_random_gguf)
+from gguf_bench import CACHE, Ours, attention_plan, copy_bandwidth, interleaved, side_by_side, write_random_gguf
 
-from appliance.engine.load.gguf import open_gguf  # noqa: E402
-from appliance.engine.page_release import mapping_rss  # noqa: E402
-from appliance.engine.qwen3_moe import set_release_pages  # noqa: E402
-from appliance.native import kernels  # noqa: E402
-from tests.support.gguf_files import peer_module  # noqa: E402
+from appliance.engine.load.gguf import open_gguf
+from appliance.engine.page_release import mapping_rss
+from appliance.engine.qwen3_moe import set_release_pages
+from appliance.native import kernels
+from tests.support.gguf_files import peer_module
 
 QWEN3_30B_A3B = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128, top_k=8, moe_inter=768,
                      vocab=151936, intermediate=6144)

@@ -13,16 +13,15 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import statistics
 import sys
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from appliance.native import abi, kernels  # noqa: E402
-from appliance.native.qtypes import QType  # noqa: E402
-from bench.native_kernels import weight_bytes  # noqa: E402
+from appliance.native import abi, kernels
+from appliance.native.qtypes import QType
+from bench.native_kernels import weight_bytes
 
 E, K, D, I = 128, 8, 2048, 768
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64

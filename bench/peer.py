@@ -26,7 +26,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import peer_isa  # noqa: E402  (a sibling file; bench/ is not a package)
+import peer_isa  # a sibling file; bench/ is not a package
 
 PACKAGE = "llama-cpp-python==0.3.36"
 BUILD_OPTS = "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"

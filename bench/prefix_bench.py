@@ -21,12 +21,12 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
-import peer  # noqa: E402
-from gguf_bench import bench_file  # noqa: E402
+import peer
+from gguf_bench import bench_file
 
-from appliance.engine.generate import GenerationRequest  # noqa: E402
-from appliance.engine.load import load_model  # noqa: E402
-from appliance.engine.sampling import SamplingParams  # noqa: E402
+from appliance.engine.generate import GenerationRequest
+from appliance.engine.load import load_model
+from appliance.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 ANSWER, NEW_TURN = 8, 30

@@ -26,7 +26,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from tests.support.live_server import start_cli_server  # noqa: E402
+from tests.support.live_server import start_cli_server
 
 
 def chat(port: int, system: str, user: str, max_tokens: int) -> tuple[float, dict]:

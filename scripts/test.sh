@@ -18,6 +18,17 @@ if [ -n "$missing" ]; then
     $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq $missing >/dev/null
 fi
 
+# Lint and types first (config in pyproject.toml; the full run only): a finding fails the run here, before the
+# build and the tests, with ruff's or mypy's own report of it.
+if [ $# -eq 0 ]; then
+    t_lint=$(date +%s)
+    .venv/bin/python -m ruff check --quiet . \
+        || { echo "test.sh: FAILED: ruff (fix the findings above; \`ruff check --fix .\` sorts imports)" >&2; exit 1; }
+    .venv/bin/python -m mypy \
+        || { echo "test.sh: FAILED: mypy over appliance/ (the errors above)" >&2; exit 1; }
+    echo "test.sh: ruff + mypy $(( $(date +%s) - t_lint )) s"
+fi
+
 # The full run (no arguments) first builds and smoke-tests the aarch64 executable boards run: built under qemu
 # from a debootstrapped Debian 11 arm64 root (cached in ~/.cache/kestrel-build; from nothing on a fresh machine,
 # 18.7 min on two cores at load 6-10), then tests/system/test_frozen_smoke.py runs it under qemu (health, streamed chat, images,

@@ -24,7 +24,7 @@ import functools
 import json
 import os
 from datetime import datetime
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jinja2
 import jinja2.ext
@@ -200,7 +200,7 @@ class ChatTemplate:
             return False
         return _PROBE_TOOL in text
 
-    def render(self, messages: list[Mapping[str, Any]], tools: list[Mapping[str, Any]] | None = None,
+    def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
                add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """The prompt text for messages. kwargs (enable_thinking=..., documents=...) become template variables."""
         chat = prepare_messages(messages)

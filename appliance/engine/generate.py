@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, cast
 
 import numpy as np
 
@@ -28,13 +28,31 @@ from .prefix_cache import CachedSequence, ImageKey, PrefixStore, common_prefix
 from .sampling import Sampler, SamplingParams, TokenLogprob
 from .text_stream import IncrementalDetokenizer, StopMatcher
 
+if TYPE_CHECKING:
+    from .config import Qwen3Config
+    from .image_processing import ImageProcessor
+    from .prompt_disk import PromptDiskCache
+    from .qwen3_vl import PixelPatches
+
 
 class CausalLM(Protocol):
-    config: object  # has vocab_size
+    @property
+    def config(self) -> Qwen3Config: ...
 
     def new_cache(self, max_len: int, dtype=np.float32) -> KVCache: ...
 
     def forward(self, tokens: np.ndarray, cache: KVCache, logits: str = "last") -> np.ndarray | None: ...
+
+
+class ImageLM(CausalLM, Protocol):
+    """A CausalLM whose `multimodal` is True (qwen3_vl.Qwen3VLModel): image runs in the prompt."""
+    image_processor: ImageProcessor
+    image_token_id: int
+
+    def image_keys(self, prompt_ids: list[int], images: list[PixelPatches]) -> tuple[ImageKey, ...]: ...
+
+    def prepare_images(self, cache: Any, prompt_ids: list[int], images: list[PixelPatches],
+                       should_cancel: Callable[[], bool] = ..., reuse: int = 0) -> int | None: ...
 
 
 @dataclass(frozen=True)
@@ -105,8 +123,8 @@ class Engine:
         self.cache_images: tuple[ImageKey, ...] = ()  # image runs of that sequence
         self.reuse_prefix = reuse_prefix
         self.store = PrefixStore(cache_bytes)  # copies of earlier sequences (the active one counts too)
-        self.disk = None  # prompt_disk.PromptDiskCache with --prompt-cache-dir
-        self._disk_pending: tuple | None = None
+        self.disk: PromptDiskCache | None = None  # with --prompt-cache-dir
+        self._disk_pending: tuple[list[int], tuple[ImageKey, ...]] | None = None
         # engine-side counters, for tests and /metrics
         self.prefill_chunks_run = 0
         self.decode_steps_run = 0
@@ -218,7 +236,7 @@ class Engine:
         if req.images:
             if not getattr(self.model, "multimodal", False):
                 raise ValueError("this model does not accept images")
-            images = self.model.image_keys(req.prompt_ids, list(req.images))  # validates the image runs
+            images = cast("ImageLM", self.model).image_keys(req.prompt_ids, list(req.images))  # validates the image runs
         try:
             yield from self._generate(req, images, should_cancel)
         except Exception:
@@ -247,8 +265,8 @@ class Engine:
         reused = timings.cache_n = self.begin_sequence(req.prompt_ids, images)
         if req.images:
             t_img = time.perf_counter()
-            n_image_tokens = self.model.prepare_images(self.cache, req.prompt_ids, list(req.images), should_cancel,
-                                                       reuse=reused)
+            n_image_tokens = cast("ImageLM", self.model).prepare_images(
+                self.cache, req.prompt_ids, list(req.images), should_cancel, reuse=reused)
             timings.image_encode_ms = _ms(t_img)
             if n_image_tokens is None:
                 yield finish("cancelled")
@@ -289,7 +307,7 @@ class Engine:
                 yield finish("cancelled")
                 return
             t_step = time.perf_counter()
-            logits = self._forward([token], "last")
+            logits = cast(np.ndarray, self._forward([token], "last"))  # "last": never None
             self.decode_steps_run += 1
 
 

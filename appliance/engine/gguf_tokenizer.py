@@ -16,7 +16,7 @@ Policies:
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
@@ -105,7 +105,7 @@ def merge_pairs(merges: list[str]) -> list[tuple[str, str]]:
     if len(parts) == 2 * len(merges):
         it = iter(parts)
         return list(zip(it, it))
-    return [tuple(m.split(" ", 1)) for m in merges]
+    return [cast("tuple[str, str]", tuple(m.split(" ", 1))) for m in merges]
 
 
 def eog_ids(meta: dict[str, Any]) -> set[int]:

@@ -26,8 +26,16 @@ from typing import Iterable
 
 import numpy as np
 
-from appliance.engine.constraint import (CompiledGrammar, GrammarError, _clean, _json_rule, _limits,
-                                         constraint_for, grammar_tokenizer, lark_grammar)
+from appliance.engine.constraint import (
+    CompiledGrammar,
+    GrammarError,
+    _clean,
+    _json_rule,
+    _limits,
+    constraint_for,
+    grammar_tokenizer,
+    lark_grammar,
+)
 
 STEPS = 6
 BUDGET_S = 2.0

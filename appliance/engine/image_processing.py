@@ -34,8 +34,8 @@ class ImageError(ValueError):
 
 def decode_image(data: bytes, max_decoded_pixels: int = MAX_DECODED_PIXELS):
     """Bytes of a JPEG/PNG/WebP file -> an upright RGB PIL image."""
-    from PIL import Image, ImageOps
-    from PIL import JpegImagePlugin, PngImagePlugin, WebPImagePlugin  # noqa: F401  (named, so a frozen build has them)
+    # the plugins are named so that a frozen build has them
+    from PIL import Image, ImageOps, JpegImagePlugin, PngImagePlugin, WebPImagePlugin  # noqa: F401
 
     if not data:
         raise ImageError("the image is empty")
@@ -49,8 +49,7 @@ def decode_image(data: bytes, max_decoded_pixels: int = MAX_DECODED_PIXELS):
             if w * h > max_decoded_pixels:
                 raise ImageError(f"the image is too large ({w}x{h} pixels; at most {max_decoded_pixels} pixels)")
             img.load()
-            img = ImageOps.exif_transpose(img)
-            return to_rgb(img)
+            return to_rgb(ImageOps.exif_transpose(img))
     except ImageError:
         raise
     except Image.UnidentifiedImageError:

@@ -10,6 +10,8 @@ makes the C side run one call per layer. When a model's weights change form afte
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from appliance.native.decoder import DecoderDims, NativeDecoder
@@ -44,7 +46,7 @@ def layer_specs(model: Qwen3Model) -> list[dict] | None:
         a, mlp = layer.attn, layer.mlp
         spec: dict = {"attn_norm": layer.attn_norm, "mlp_norm": layer.mlp_norm, "q_norm": a.q_norm,
                       "k_norm": a.k_norm, "q_bias": a.q_bias, "k_bias": a.k_bias, "v_bias": a.v_bias}
-        linears = [("q", a.q), ("k", a.k), ("v", a.v), ("o", a.o)]
+        linears: list[tuple[str, Any]] = [("q", a.q), ("k", a.k), ("v", a.v), ("o", a.o)]  # weight objects
         if isinstance(mlp, SparseMoE):
             if mlp.native is None:
                 return None

@@ -25,8 +25,8 @@ def _madvise():
     return _libc.madvise
 
 
-def is_file_mapped(a: np.ndarray) -> bool:
-    base = a
+def is_file_mapped(a: np.ndarray | None) -> bool:
+    base: object = a
     while base is not None:
         if isinstance(base, (np.memmap, mmap.mmap)):
             return True
@@ -34,9 +34,9 @@ def is_file_mapped(a: np.ndarray) -> bool:
     return False
 
 
-def release_pages(a: np.ndarray) -> int:
+def release_pages(a: np.ndarray | None) -> int:
     """Release the whole pages under array a (a view into a file mapping); returns the bytes released."""
-    if os.name != "posix" or not is_file_mapped(a) or not a.flags.c_contiguous:
+    if a is None or os.name != "posix" or not is_file_mapped(a) or not a.flags.c_contiguous:
         return 0
     start = a.__array_interface__["data"][0]
     lo = -(-start // _PAGE) * _PAGE

@@ -24,7 +24,7 @@ def image_digest(pixel_values: np.ndarray, grid_thw) -> bytes:
     """Identity of a preprocessed image: its patches and grid (the grid fixes the M-RoPE positions)."""
     h = hashlib.blake2b(digest_size=16)
     h.update(np.asarray(grid_thw, dtype=np.int64).tobytes())
-    h.update(np.ascontiguousarray(pixel_values).view(np.uint8).reshape(-1))
+    h.update(np.ascontiguousarray(pixel_values).view(np.uint8).reshape(-1).data)
     return h.digest()
 
 

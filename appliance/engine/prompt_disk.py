@@ -187,7 +187,7 @@ class PromptDiskCache:
             if have != arrays.nbytes:
                 raise ValueError(f"truncated payload ({have} of {arrays.nbytes} bytes)" if have < arrays.nbytes
                                  else f"{have - arrays.nbytes} bytes past the payload")
-            buf = memoryview(arrays.reshape(-1).view(np.uint8))
+            buf = arrays.reshape(-1).view(np.uint8).data  # a memoryview of the bytes
             got = 0
             while got < len(buf):
                 n = f.readinto(buf[got:got + READ_BLOCK])
@@ -215,7 +215,7 @@ class PromptDiskCache:
         with self._lock:
             if any(len(s) >= n and s[:n] == tokens for s in self.saved):
                 return
-            if self._job is not None and self._writer.is_alive():
+            if self._job is not None and self._writer is not None and self._writer.is_alive():
                 log.debug("prompt cache: a write is in flight; not saving %d tokens", n)
                 return
             if not self._spend(n * self.bytes_per_token):
@@ -327,8 +327,9 @@ class PrefixWrite:
 
     def __init__(self, arrays: list[np.ndarray], n: int):
         self.n = n
-        self.chunks: list[np.ndarray | None] = self._views(arrays)
-        self.nbytes = sum(c.nbytes for c in self.chunks)
+        views = self._views(arrays)
+        self.chunks: list[np.ndarray | None] = list(views)  # None once written (a copy is freed then)
+        self.nbytes = sum(c.nbytes for c in views)
         self.detached = False
         self._done = 0
         self._lock = threading.RLock()  # held while a chunk is written and by detach(); reentrant so a
@@ -343,7 +344,7 @@ class PrefixWrite:
         with self._lock:
             if not self.detached:
                 rest = self._views(copy)[self._done:] if copy is not None else \
-                    [c.copy() for c in self.chunks[self._done:]]
+                    [c.copy() for c in self.chunks[self._done:] if c is not None]
                 self.chunks[self._done:] = rest
                 self.detached = True
 
@@ -356,7 +357,7 @@ class PrefixWrite:
     def write_to(self, f, digest) -> None:
         for i in range(len(self.chunks)):
             with self._lock:
-                chunk = memoryview(np.ascontiguousarray(self.chunks[i])).cast("B")
+                chunk = np.ascontiguousarray(self.chunks[i]).data.cast("B")
                 digest.update(chunk)
                 f.write(chunk)
                 self.chunks[i] = None  # a copy is freed as soon as it is written

@@ -17,6 +17,7 @@ experts actually used (and their pages can be released after use) instead of gro
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import numpy as np
 
@@ -46,7 +47,7 @@ class QuantWeight:
         self.raw = raw.reshape(-1).view(np.uint8).reshape(out, rb)  # (out, row_bytes), zero-copy
         self.nbytes = self.raw.nbytes
         self.native = kernels.available() if native is None else (native and kernels.available())
-        self._native_matmul = None
+        self._native_matmul: Callable[[np.ndarray], np.ndarray] | None = None
         self._x8: np.ndarray | None = None
         self.repack = repack
 

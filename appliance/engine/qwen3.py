@@ -9,7 +9,7 @@ positions and per-layer additions (DeepStack).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 
@@ -17,6 +17,9 @@ from appliance.native.ops_numpy import grouped_attention, rms_norm, rotate_half,
 
 from .config import Qwen3Config
 from .kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from .weights import Embedding
 
 
 def rope_cos_sin(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
@@ -59,15 +62,34 @@ class Layer:
     mlp: Callable  # (T, hidden) -> (T, hidden)
 
 
+
+class LayerHook(Protocol):
+    """Low-memory mode's hook (resident.LayerStreaming): called after layer i ran."""
+
+    def layer_done(self, i: int) -> None: ...
+
+
+class LayerRunner(Protocol):
+    """The decoder layers in other code (layer_runner.NativeLayers: C), chosen at load."""
+
+    def serves(self, cache: KVCache) -> bool: ...
+
+    def forward_hidden(self, h: np.ndarray, cache: KVCache, cos: np.ndarray, sin: np.ndarray,
+                       layer_done: Callable[[int], None] | None = None,
+                       after_layer: Callable[[int, np.ndarray], np.ndarray] | None = None) -> np.ndarray: ...
+
+
 @dataclass
 class Qwen3Model:
     config: Qwen3Config
-    embed: object  # .rows(ids) -> (T, hidden)
+    embed: Embedding  # .rows(ids) -> (T, hidden)
     layers: list[Layer]
     norm: np.ndarray
     lm_head: Callable  # (T, hidden) -> (T, vocab)
-    layer_streaming: object = None  # low-memory mode (resident.LayerStreaming): layer_done(i) after layer i
-    runner: object = None  # chosen at load (layer_runner.choose_runner): NativeLayers, or None for the numpy layers
+    layer_streaming: LayerHook | None = None  # low-memory mode (resident.LayerStreaming): layer_done(i) after layer i
+    runner: LayerRunner | None = None  # chosen at load (layer_runner.choose_runner): NativeLayers, or None for the numpy layers
+    expert_stats: object = None  # mixture-of-experts models (the loaders): qwen3_moe.ExpertLoadStats, MoEConfig
+    moe_config: object = None
 
     def new_cache(self, max_len: int, dtype=np.float32) -> KVCache:
         c = self.config
@@ -86,8 +108,9 @@ def attention(cfg: Qwen3Config, a: Attention, x: np.ndarray, cache: KVCache, lay
         q, k, v = q + a.q_bias, k + a.k_bias, v + a.v_bias
     q = q.reshape(T, H, hd)
     k = k.reshape(T, KV, hd)
-    if a.q_norm is not None:
+    if a.q_norm is not None:  # both or neither (config qk_norm)
         q = rms_norm(q, a.q_norm, cfg.rms_norm_eps)
+    if a.k_norm is not None:
         k = rms_norm(k, a.k_norm, cfg.rms_norm_eps)
     q = apply_rope(q.transpose(1, 0, 2), cos, sin)  # (H, T, hd)
     k = apply_rope(k.transpose(1, 0, 2), cos, sin)  # (KV, T, hd)

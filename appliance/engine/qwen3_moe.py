@@ -13,7 +13,7 @@ below, its twin. Layers listed in `mlp_only_layers`, or not on the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -33,8 +33,8 @@ class MoEConfig:
     mlp_only_layers: tuple[int, ...] = ()
 
     @classmethod
-    def from_dict(cls, d: dict) -> "MoEConfig":
-        return cls(num_experts=int(d.get("num_experts", d.get("num_local_experts"))), num_experts_per_tok=int(d["num_experts_per_tok"]),
+    def from_dict(cls, d: dict[str, Any]) -> "MoEConfig":
+        return cls(num_experts=int(d["num_experts"] if "num_experts" in d else d["num_local_experts"]), num_experts_per_tok=int(d["num_experts_per_tok"]),
                    moe_intermediate_size=int(d["moe_intermediate_size"]),
                    norm_topk_prob=bool(d.get("norm_topk_prob", False)),
                    decoder_sparse_step=int(d.get("decoder_sparse_step", 1) or 1),

@@ -28,6 +28,7 @@ from .kv_cache import KVCache
 from .prefix_cache import ImageKey, image_keys
 from .vision import VisionTower
 
+
 @dataclass
 class ImageState:
     """What prefill needs about the images of the prompt in the cache."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import mmap
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -67,12 +68,12 @@ def _span(a: np.ndarray, fault_around: bool = True) -> int:
     return a.nbytes + 2 * (_FAULT_AROUND if fault_around else _PAGE)
 
 
-def _mapping_base(a: np.ndarray):
-    base = a
+def _mapping_base(a: np.ndarray | None):
+    base: Any = a
     while base is not None and not isinstance(base, (np.memmap, mmap.mmap)):
         base = getattr(base, "base", None)
-    while isinstance(getattr(base, "base", None), np.memmap):  # the outermost memmap: the whole mapping
-        base = base.base
+    while isinstance(outer := getattr(base, "base", None), np.memmap):  # the outermost memmap: the whole mapping
+        base = outer
     return base
 
 
@@ -153,7 +154,7 @@ class LayerStreaming:
         head = model.lm_head
         head_array = weight_array(head)
         head_mapped = head_array is not None and is_file_mapped(head_array)
-        head_bytes = head_array.nbytes if head_mapped else 0
+        head_bytes = head_array.nbytes if head_mapped and head_array is not None else 0
         row_bytes = head_bytes // head.shape[0] if head_mapped else 1
         fixed = sum(_span(v, False) for v in vectors) + (2 << 20)  # norms, embedding rows of a prompt, slack
         layer_bytes = [sum(_span(a) for a in arrays) for arrays in self.layer_arrays]

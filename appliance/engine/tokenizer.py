@@ -21,7 +21,7 @@ import functools
 import json
 import os
 import re
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import tokenizers
 from tokenizers import decoders
@@ -69,7 +69,7 @@ class Tokenizer:
     """Encode/decode text for one model. Build with from_dir(), or directly from a `tokenizers.Tokenizer`."""
 
     def __init__(self, tk: tokenizers.Tokenizer, *, eos_token: str | None = None, bos_token: str | None = None,
-                 special_tokens: dict[str, str] | None = None, special_ids: Iterable[int] | None = None,
+                 special_tokens: Mapping[str, str | None] | None = None, special_ids: Iterable[int] | None = None,
                  byte_level: bool | None = None, vocab: dict[str, int] | None = None):
         """special_tokens: the named tokens (bos_token, eos_token, pad_token, ...) a chat template sees.
         special_ids: the ids skipped by decode/token_bytes; default: the added tokens marked special=True.

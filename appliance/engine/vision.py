@@ -90,7 +90,7 @@ def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float = 1e-6) -
 
 @dataclass
 class Linear:
-    weight: object  # (out, in) linear-weight object
+    weight: Callable[[np.ndarray], np.ndarray]  # (out, in) linear-weight object
     bias: np.ndarray  # (out,)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
@@ -155,7 +155,7 @@ class VisionTower:
     blocks: list[VisionBlock]
     merger: PatchMerger
     deepstack_mergers: list[PatchMerger]
-    ops: VisionOps | None = None  # None: the numpy functions
+    ops: VisionOps = None  # type: ignore[assignment]  # None: the numpy functions (__post_init__)
 
     def __post_init__(self):
         if self.ops is None:
@@ -191,7 +191,7 @@ def merge_block_coords(h: int, w: int, m: int) -> tuple[np.ndarray, np.ndarray]:
     """Row and column of each patch when patches are ordered (block row, block col, row in block, col in
     block), the order of image_processing.patchify."""
     r, c = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")  # (h, w)
-    order = lambda a: a.reshape(h // m, m, w // m, m).transpose(0, 2, 1, 3).reshape(-1)  # noqa: E731
+    order = lambda a: a.reshape(h // m, m, w // m, m).transpose(0, 2, 1, 3).reshape(-1)
     return order(r), order(c)
 
 

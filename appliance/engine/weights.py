@@ -9,9 +9,17 @@ stay in the mapping, widened per use, without the library).
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 
 from appliance.native.qtypes import QType
+
+
+class Embedding(Protocol):
+    """An embedding table: DenseWeight, QuantWeight (and resident.py's streamed wrapper)."""
+
+    def rows(self, ids: np.ndarray) -> np.ndarray: ...  # (T,) -> (T, in)
 
 
 class DenseWeight:

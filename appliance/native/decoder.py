@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import kernels
-from .qtypes import QType, row_bytes
 from .abi import LINEARS as _LINEARS, VECTORS as _VECTORS, Layer as _Layer, Linear as _Linear, Model as _Model
+from .qtypes import QType, row_bytes
 
 _P = ctypes.c_void_p
 _KV_TYPES = (np.dtype(np.float32), np.dtype(np.float16))

@@ -12,6 +12,7 @@ import ctypes
 import glob
 import operator
 import os
+from typing import Any
 
 import numpy as np
 
@@ -50,7 +51,7 @@ _SIGNATURES = {
     "kq_forward": (_I, [_P, _P, _P, _I64, _I, _P, _I64, _I64, _P, _P]),
 }
 
-_lib = None
+_lib: Any = None  # the ctypes.CDLL once loaded (its functions are untyped either way)
 load_error: str | None = None
 
 

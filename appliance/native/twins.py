@@ -9,8 +9,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from .dequant_numpy import (IQ4_VALUES, _blocks, _f16, _nibbles, crumbs, dequantize, iq4xs_scales, iq4xs_values,
-                            k_values, q3k_scales, q3k_values, q4k_scales_mins, q5_values, q6k_values)
+from .dequant_numpy import (
+    IQ4_VALUES,
+    _blocks,
+    _f16,
+    _nibbles,
+    crumbs,
+    dequantize,
+    iq4xs_scales,
+    iq4xs_values,
+    k_values,
+    q3k_scales,
+    q3k_values,
+    q4k_scales_mins,
+    q5_values,
+    q6k_values,
+)
 from .qtypes import QType
 
 ACT32 = np.dtype([("d", "<f4"), ("sum", "<i4"), ("q", "i1", (32,))])  # C kq_act32, 40 bytes

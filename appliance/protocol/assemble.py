@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from appliance.protocol.chunks import (ChatChunks, CompletionChunks, chat_completion, new_completion_id,
-                                       text_completion)
+from appliance.protocol.chunks import ChatChunks, CompletionChunks, chat_completion, new_completion_id, text_completion
 from appliance.protocol.logprobs import LogprobEntry
 from appliance.protocol.router import OutputRouter
 from appliance.protocol.sse import SSE_DONE, SSE_HEADERS, sse_comment, sse_event

@@ -51,8 +51,8 @@ class GenericToolCallParser:
         self._buf = ""           # text not yet consumed by the current state
         self._state = "head"     # head | list | call | args | between | string | value | done | content
         self._many = False       # "tool_calls": a list of calls
-        self._string: JsonStringDecoder | None = None
-        self._value: JsonValueEnd | None = None
+        self._string = JsonStringDecoder()
+        self._value = JsonValueEnd()
         self.calls: list[dict[str, Any]] = []
 
     def push(self, text: str) -> list[Piece]:
@@ -104,7 +104,7 @@ class GenericToolCallParser:
             m = _CALL.match(buf)
             if m is None:
                 return self._wait_or_give_up(buf, _CALL_HEAD, then_more=True)
-            call = {"id": self._new_id(), "type": "function",
+            call: dict[str, Any] = {"id": self._new_id(), "type": "function",
                     "function": {"name": json.loads(m.group(1)), "arguments": ""}}
             self.calls.append(call)
             out.append(("call", {**call, "function": dict(call["function"])}))

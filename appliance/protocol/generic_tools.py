@@ -54,6 +54,7 @@ def generic_tool_request(req: ChatRequest) -> ChatRequest:
         calls = parse_tool_choice("required", req.tools)[1]
         response = response_schema(req.output_format)
         probes = req.output_format.probes if req.output_format is not None else ()
+    assert calls is not None  # parse_tool_choice gives a tool choice its OutputFormat
     fmt = OutputFormat("generic_tool_calls", schema=response, tools=calls.tools, parallel=many,
                        probes=calls.probes + probes)
     prompt = system_prompt(req.tools, fmt, forced=calls.tools[0][0] if req.tool_choice == "function" else None)

@@ -84,7 +84,7 @@ class _OllamaAssembler:
                  new_id: Callable[[], str] | None = None):
         self.model = model
         self.clock = clock
-        kw = {"new_id": new_id} if new_id is not None else {}
+        kw: dict[str, Any] = {"new_id": new_id} if new_id is not None else {}
         self.router = OutputRouter(in_reasoning=in_reasoning, tools=tools, tool_format=tool_format, **kw)
 
     def _head(self) -> dict[str, Any]:

@@ -90,7 +90,7 @@ class ReasoningSplitter:
 def split_reasoning(text: str, in_reasoning: bool = False) -> tuple[str | None, str]:
     """(reasoning or None when no think block was involved, content) of a whole completion."""
     s = ReasoningSplitter(in_reasoning)
-    parts = {"reasoning": [], "content": []}
+    parts: dict[str, list[str]] = {"reasoning": [], "content": []}
     for kind, piece in s.push(text) + s.flush():
         parts[kind].append(piece)
     reasoning = "".join(parts["reasoning"]) if s.saw_reasoning else None

@@ -99,7 +99,7 @@ class ResponsesAssembler:
         if kind == "reasoning":
             item = {"id": self._new_id("rs"), "type": "reasoning", "summary": [], "content": [],
                     "status": "in_progress"}
-            part = {"type": "reasoning_text", "text": ""}
+            part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
         else:
             item = {"id": self._new_id("msg"), "type": "message", "status": "in_progress", "role": "assistant",
                     "content": []}
@@ -118,7 +118,7 @@ class ResponsesAssembler:
         item, index, text = cur["item"], cur["index"], "".join(cur["parts"])
         ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
         if cur["kind"] == "reasoning":
-            part = {"type": "reasoning_text", "text": text}
+            part: dict[str, Any] = {"type": "reasoning_text", "text": text}
             out.append(self._event("response.reasoning_text.done", **ids, text=text))
         else:
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}

@@ -72,7 +72,9 @@ class OutputRouter:
             pieces = [("content", text)] if text else []
         else:
             pieces = self._splitter.push(text) + (self._splitter.flush() if final else [])
-        reasoning, content, calls = [], [], []
+        reasoning: list[str] = []
+        content: list[str] = []
+        calls: list[dict[str, Any]] = []
         self.deltas = []
         for kind, piece in pieces:
             if kind == "reasoning":

@@ -126,7 +126,8 @@ def parse_tool_choice(v: Any, tools: list[dict[str, Any]] | None, parallel: bool
             raise invalid("tool_choice.function.name", f"Invalid 'tool_choice': no function named '{name}' "
                                                        f"is in 'tools'.", code="invalid_value")
         chosen, parallel = [name], False
-    specs, probes = [], ()
+    specs: list[tuple[str, Any]] = []
+    probes: tuple[tuple[str, Any], ...] = ()
     for name in chosen:
         i = next(i for i, t in enumerate(tools) if t["function"]["name"] == name)
         params = by_name[name]

@@ -25,8 +25,7 @@ from .. import web
 from ..h11_server import Exchange
 from ..protocol import prometheus
 from ..protocol.chunks import model_list
-from ..protocol.errors import (ApiError, error_body, invalid_api_key, method_not_allowed, missing_api_key,
-                               not_found)
+from ..protocol.errors import ApiError, error_body, invalid_api_key, method_not_allowed, missing_api_key, not_found
 from ..protocol.ollama_stream import error_body as ollama_error_body
 from ..protocol.sse import JSON_CONTENT_TYPE, json_bytes
 from .config import ApiConfig, Handler, Routes

@@ -80,7 +80,8 @@ class Generation:
                     for event in self.out.start():
                         await self._send(ex, event)
                     nursery.start_soon(self._keepalive, ex)
-                finish, failure = None, None
+                finish: FinishEvent | None = None
+                failure: BaseException | None = None
                 try:
                     await ticket.wait_turn()
                 except ShuttingDown:
@@ -89,7 +90,9 @@ class Generation:
                     self._phase = "prefill"
                     finish, failure = await self._generate(ex, ticket)
                     # until the engine thread took the job: its turn, then the previous job's after-request work
-                    queue_ms = ex.notes["queue_ms"] = (ticket.trace.started - t_arrival) * 1000.0
+                    trace = ticket.trace
+                    assert trace is not None  # the job ran
+                    queue_ms = ex.notes["queue_ms"] = (trace.started - t_arrival) * 1000.0
                 ticket.finished()
                 self._keepalive_scope.cancel()
         if finish is None:

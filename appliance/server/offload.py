@@ -26,20 +26,21 @@ PREP_THREADS = 2     # request preparations (JSON, template, tokenizer) at once
 IMAGE_THREADS = 1    # image decodes at once (one 8000x8000 RGBA PNG: ~1.2 GB of peak RSS growth, README)
 TRIM_BYTES = 1 << 20  # work on at least this many input bytes ends with malloc_trim
 
-_libc = None
+_libc: ctypes.CDLL | None = None
+_no_libc = False  # looked for and not found: nothing to trim with
 
 
 def trim_memory() -> bool:
     """Return free heap pages of every malloc arena to the system (glibc); False where there is none."""
-    global _libc
-    if _libc is None:
+    global _libc, _no_libc
+    if _libc is None and not _no_libc:
         try:
             lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
             lib.malloc_trim.argtypes, lib.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
             _libc = lib
         except (OSError, AttributeError):  # musl, other systems: nothing to trim with
-            _libc = False
-    if not _libc:
+            _no_libc = True
+    if _libc is None:
         return False
     _libc.malloc_trim(0)
     return True

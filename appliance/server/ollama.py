@@ -34,7 +34,7 @@ from ..h11_server import Exchange
 from ..protocol.errors import ApiError
 from ..protocol.fields import load_json_object
 from ..protocol.ollama_requests import OllamaRequest, parse_ollama_chat, parse_ollama_generate
-from ..protocol.ollama_stream import (OllamaChatAssembler, OllamaGenerateAssembler, load_response, rfc3339)
+from ..protocol.ollama_stream import OllamaChatAssembler, OllamaGenerateAssembler, load_response, rfc3339
 from ..protocol.reasoning import prompt_ends_in_reasoning
 from ..web import wants_html
 from .config import Handler, Routes
@@ -81,7 +81,7 @@ def model_facts(loaded: Any, name: str) -> dict[str, Any]:
 
 def parameter_count(cfg: Any) -> int:
     """Weights in the decoder from its config (embeddings, attention, MLP or experts, LM head when untied)."""
-    g = lambda k, d=0: getattr(cfg, k, d) or d  # noqa: E731
+    g = lambda k, d=0: getattr(cfg, k, d) or d
     h, layers, hd = g("hidden_size"), g("num_hidden_layers"), g("head_dim")
     attn = h * hd * (2 * g("num_attention_heads") + 2 * g("num_key_value_heads"))
     experts = g("num_experts")
@@ -229,6 +229,7 @@ class OllamaApi:
         loaded, body, o = parsed
         prompt, ids, req, constraint = await self.prep.prepare(lambda: self._prompt(loaded, o, len(body)))
         in_reasoning = prompt_ends_in_reasoning(prompt)
+        out: OllamaChatAssembler | OllamaGenerateAssembler
         if parse is parse_ollama_chat:
             out = OllamaChatAssembler(self.name, in_reasoning=in_reasoning, tools=bool(req.tools),
                                       tool_format=req.tool_format)

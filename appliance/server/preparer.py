@@ -17,7 +17,7 @@ Policies:
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar, cast
 
 import trio
 
@@ -26,8 +26,7 @@ from ..engine.grammar_probe import prepared_constraint
 from ..engine.image_processing import ImageError
 from ..engine.token_bounds import TooManyTokens
 from ..h11_server import Exchange
-from ..protocol.errors import (ApiError, body_too_large, context_length_exceeded, not_ready, queue_full,
-                               server_shutdown)
+from ..protocol.errors import ApiError, body_too_large, context_length_exceeded, not_ready, queue_full, server_shutdown
 from ..protocol.generic_tools import generic_tool_request
 from ..protocol.reasoning import prompt_ends_in_reasoning
 from ..protocol.requests import ChatRequest
@@ -38,6 +37,7 @@ from .offload import IMAGE_THREADS, PREP_THREADS, TRIM_BYTES, off_loop, trim_mem
 from .worker import NotReady, QueueFull, ShuttingDown, Ticket, Worker
 
 if TYPE_CHECKING:
+    from ..engine.generate import ImageLM
     from ..engine.load import LoadedModel
 
 T = TypeVar("T")
@@ -148,7 +148,7 @@ class Preparer:
                      body_size: int) -> tuple[list[int], tuple]:
         """Decode and preprocess the request's images off the event loop (one request's images at a time,
         server-wide); expand their prompt tokens. Stops between images when the client leaves."""
-        model = loaded.model
+        model = cast("ImageLM", loaded.model)  # the caller checked loaded.multimodal
 
         def work(stop: threading.Event):
             try:

@@ -207,6 +207,7 @@ class Worker:
 
     # ---- engine thread ---------------------------------------------------------------------------------
     def _call_trio(self, fn: Callable, *args: Any) -> None:
+        assert self._token is not None  # set before the engine thread starts
         try:
             self._token.run_sync_soon(fn, *args)
         except trio.RunFinishedError:

@@ -62,7 +62,7 @@ def build_tokenizer(ranks: dict[bytes, int]) -> Tokenizer:
         return "".join(b2u[x] for x in b)
 
     vocab = {to_str(tok): rank for tok, rank in ranks.items()}
-    merges = []
+    merges: list[tuple[int, int, int, str, str]] = []  # (rank, left rank, right rank, left, right)
     for tok, rank in ranks.items():
         local = []
         for i in range(1, len(tok)):
@@ -80,7 +80,8 @@ def build_tokenizer(ranks: dict[bytes, int]) -> Tokenizer:
         pre_tokenizers.Split(Regex(QWEN_PATTERN), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
     ])
-    tk.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    # the stubs of tokenizers declare no arguments for the decoder; the Rust side takes these
+    tk.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)  # type: ignore[call-arg]
     from tokenizers import AddedToken
 
     assert len(ranks) == FIRST_SPECIAL_ID, len(ranks)

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from appliance import convert
-from appliance.engine.load.gguf import open_gguf
 from appliance.engine.load import ModelLoadError, load_model
+from appliance.engine.load.gguf import open_gguf
 from tests.support.gguf_files import build_tiny
 
 TEXT = "Hello, world! 12345 <think>x</think>\n\n  ünïcode 日本"

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from appliance.engine.generate import GenerationRequest
-from appliance.engine.load import load_model
 from appliance.engine.layer_runner import choose_runner
+from appliance.engine.load import load_model
 from appliance.engine.load.hf import build_qwen3_moe
 from appliance.engine.qwen3_moe import SparseMoE
 from appliance.engine.safetensors import SafeTensors

@@ -72,7 +72,7 @@ def test_cached_decode_matches_full_forward(checkpoint):
     extra = rng.integers(0, 151000, size=20).tolist()
     cache = ours.new_cache(64)
     ours.forward(np.array(PROMPT), cache, "none")
-    for i, tok in enumerate(extra):
+    for tok in extra:
         step = ours.forward(np.array([tok]), cache, "last")
     full = ours.forward(np.array(PROMPT + extra), ours.new_cache(64), "last")
     assert cache.length == len(PROMPT) + 20
@@ -80,8 +80,8 @@ def test_cached_decode_matches_full_forward(checkpoint):
 
 
 def test_greedy_tokens_match_generate(checkpoint):
-    from appliance.engine.load import load_model
     from appliance.engine.generate import GenerationRequest
+    from appliance.engine.load import load_model
     from appliance.engine.sampling import SamplingParams
 
     ref = load_reference(checkpoint)

@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from appliance.engine.generate import GenerationRequest

@@ -76,8 +76,8 @@ def _model(flavour, kinds, rng, D=256, H=4, KV=2, hd=64, I=512, L=2, V=97):
     layers = []
     for i in range(L):
         k = kinds[i % len(kinds)]
-        vec = lambda n: (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)  # noqa: E731
-        bias = lambda n: (0.1 * rng.standard_normal(n)).astype(np.float32) if flavour == "qwen2" else None  # noqa: E731
+        vec = lambda n: (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+        bias = lambda n: (0.1 * rng.standard_normal(n)).astype(np.float32) if flavour == "qwen2" else None
         attn = qwen3.Attention(_weight(k, H * hd, D, rng), _weight(k, KV * hd, D, rng), _weight(k, KV * hd, D, rng),
                                _weight(k, D, H * hd, rng),
                                q_norm=vec(hd) if flavour == "qwen3" else None,

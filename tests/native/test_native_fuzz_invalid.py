@@ -163,7 +163,7 @@ def expect_each(table) -> None:
             call()
         except exc:
             continue
-        except Exception as e:  # noqa: BLE001 - a different exception is the failure reported
+        except Exception as e:
             raise AssertionError(f"{where}: {type(e).__name__}: {e} (expected {exc.__name__})") from e
         raise AssertionError(f"{where}: no {exc.__name__} raised")
 

@@ -67,10 +67,10 @@ def test_native_moe_decoder_equals_numpy_layers(kind, request):
     import json
 
     from appliance.engine import qwen3
+    from appliance.engine.layer_runner import choose_runner
     from appliance.engine.load.hf import build_qwen3_moe
     from appliance.engine.qwen3_moe import SparseMoE
     from appliance.engine.safetensors import SafeTensors
-    from appliance.engine.layer_runner import choose_runner
 
     path = request.getfixturevalue(kind)
     with open(f"{path}/config.json") as f:

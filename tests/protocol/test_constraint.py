@@ -7,8 +7,14 @@ import numpy as np
 import pytest
 
 from appliance.engine import constraint
-from appliance.engine.constraint import (GrammarError, compile_grammar, constraint_for, grammar_for, grammar_tokenizer,
-                                         think_mode)
+from appliance.engine.constraint import (
+    GrammarError,
+    compile_grammar,
+    constraint_for,
+    grammar_for,
+    grammar_tokenizer,
+    think_mode,
+)
 from appliance.engine.sampling import Sampler, SamplingParams
 from appliance.engine.tokenizer import Tokenizer
 from appliance.protocol.structured import OutputFormat

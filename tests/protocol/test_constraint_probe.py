@@ -11,8 +11,13 @@ import pytest
 from appliance.engine.constraint import GrammarError, constraint_for, grammar_for, grammar_tokenizer
 from appliance.engine.grammar_probe import explain, prepared_constraint
 from appliance.engine.tokenizer import Tokenizer
-from appliance.protocol.structured import (MAX_DEPTH, MAX_ENUM_VALUES, MAX_PROPERTIES, parse_response_format,
-                                           parse_tool_choice)
+from appliance.protocol.structured import (
+    MAX_DEPTH,
+    MAX_ENUM_VALUES,
+    MAX_PROPERTIES,
+    parse_response_format,
+    parse_tool_choice,
+)
 
 V = 151936
 EOS = (151645, 151643)

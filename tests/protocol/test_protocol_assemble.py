@@ -6,8 +6,8 @@ import itertools
 import json
 
 import pytest
-from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from appliance.protocol.assemble import ChatAssembler, CompletionAssembler
 from appliance.protocol.chunks import ChatChunks, CompletionChunks

@@ -8,8 +8,14 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from appliance.protocol.chunks import (ChatChunks, CompletionChunks, chat_completion, model_list,
-                                       new_completion_id, text_completion)
+from appliance.protocol.chunks import (
+    ChatChunks,
+    CompletionChunks,
+    chat_completion,
+    model_list,
+    new_completion_id,
+    text_completion,
+)
 from appliance.protocol.logprobs import LogprobEntry, entry_from_engine
 from appliance.protocol.sse import sse_event
 from appliance.protocol.stats import GenerationStats

@@ -52,7 +52,7 @@ def test_extension_events_crash_the_documented_loop():
     stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
     with pytest.raises(IndexError):
         for chunk in stream:
-            chunk.choices[0].delta.content
+            _ = chunk.choices[0].delta.content
 
 
 def test_async_client_streams_our_bytes():

@@ -6,8 +6,14 @@ import pytest
 
 from appliance.protocol.errors import ApiError
 from appliance.protocol.json_schema import MAX_PROBES, WIDE, cyclic_defs, data_depth, probe_points, walk
-from appliance.protocol.structured import (MAX_DEPTH, MAX_ENUM_VALUES, MAX_PROPERTIES, check_schema,
-                                           parse_response_format, parse_tool_choice)
+from appliance.protocol.structured import (
+    MAX_DEPTH,
+    MAX_ENUM_VALUES,
+    MAX_PROPERTIES,
+    check_schema,
+    parse_response_format,
+    parse_tool_choice,
+)
 
 P = "response_format.json_schema.schema"
 LOOP = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}

@@ -2,8 +2,13 @@
 import tiktoken
 import tokenizers
 
-from appliance.tools.qwen_tokenizer import (FIRST_SPECIAL_ID, QWEN3_ADDED_TOKENS, QWEN_PATTERN,
-                                            default_tiktoken_path, load_ranks)
+from appliance.tools.qwen_tokenizer import (
+    FIRST_SPECIAL_ID,
+    QWEN3_ADDED_TOKENS,
+    QWEN_PATTERN,
+    default_tiktoken_path,
+    load_ranks,
+)
 
 
 def test_special_token_ids(qwen_tokenizer_dir):

@@ -12,8 +12,13 @@ import numpy as np
 import pytest
 import torch
 from transformers import GenerationConfig
-from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
-                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from appliance.engine.sampling import Sampler, SamplingParamError, SamplingParams, generation_defaults
 from tests.support import tiny_models
@@ -224,7 +229,7 @@ def test_presence_and_frequency_penalties_follow_the_openai_formula():
     pres, freq = 0.8, -0.45
     s = Sampler(SamplingParams(presence_penalty=pres, frequency_penalty=freq), V)
     gen: list[int] = []
-    for step in range(60):                                      # incremental state checked at every step
+    for _step in range(60):                                      # incremental state checked at every step
         out = s.apply_penalties(lg, prompt, gen)
         counts = Counter(gen)
         expected = lg.astype(np.float64).copy()

@@ -10,8 +10,13 @@ import tokenizers
 from tokenizers import decoders, models
 
 from appliance.engine.tokenizer import Tokenizer
-from appliance.tools.qwen_tokenizer import (FIRST_SPECIAL_ID, QWEN3_ADDED_TOKENS, QWEN_PATTERN,
-                                            default_tiktoken_path, load_ranks)
+from appliance.tools.qwen_tokenizer import (
+    FIRST_SPECIAL_ID,
+    QWEN3_ADDED_TOKENS,
+    QWEN_PATTERN,
+    default_tiktoken_path,
+    load_ranks,
+)
 
 SPECIALS = [c for c, _ in QWEN3_ADDED_TOKENS]
 

@@ -121,7 +121,7 @@ def test_nfc_shrinks_utf8_by_less_than_nfc_shrink():
     its decomposition split into runs, each run written as the longest character decomposing to it (Unicode of
     this Python; the margin to NFC_SHRINK covers other versions). The worst is 3.5 (U+1FBE U+0308 U+0301 ->
     U+0390); Hangul syllables from jamo and the Kelvin sign give 3."""
-    size = lambda s: len(s.encode("utf-8", "surrogatepass"))  # noqa: E731
+    size = lambda s: len(s.encode("utf-8", "surrogatepass"))
     longest: dict[str, int] = {}                                 # a decomposition -> its longest character
     composed = []
     for i in range(sys.maxunicode + 1):

@@ -203,8 +203,8 @@ def test_image_tokens_count_against_the_context(vl_dir):
 
 
 def test_images_over_the_context_are_refused_before_preprocessing_the_rest(monkeypatch):
-    from appliance.server import images as image_inputs
     from appliance.engine.image_processing import ImageProcessor
+    from appliance.server import images as image_inputs
 
     proc = ImageProcessor(min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 64)
     seen = []

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.support.live_server import LiveServer, RawClient, chat_body, request_bytes
+from tests.support.live_server import LiveServer, RawClient, request_bytes
 
 
 @pytest.fixture(scope="module")

@@ -78,7 +78,7 @@ def test_long_prompts_are_refused_without_stalling_the_loop(tiny_qwen3_tied, cli
     try:
         for path, body in BODIES.items():
             data = json.dumps(body).encode()
-            clients = [threading.Thread(target=lambda p=path: results.append((p, *post(port, p, data))))
+            clients = [threading.Thread(target=lambda p=path, d=data: results.append((p, *post(port, p, d))))
                        for _ in range(AT_ONCE)]
             for t in clients:
                 t.start()

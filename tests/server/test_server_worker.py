@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import trio
 
-from appliance.engine.generate import FinishEvent, GenerationRequest, TokenEvent, Timings
+from appliance.engine.generate import FinishEvent, GenerationRequest, Timings, TokenEvent
 from appliance.server.worker import EngineFailure, NotReady, QueueFull, Worker
 
 

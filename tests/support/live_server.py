@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 import trio
 
-from appliance.server.app import Api, ApiConfig
 from appliance.engine.constraint import build_grammar_tokenizer
 from appliance.engine.load import load_model, model_name
 from appliance.h11_server import HttpServer, ServerConfig
+from appliance.server.app import Api, ApiConfig
 from appliance.server.worker import Worker
 
 
@@ -207,7 +207,7 @@ class RawClient:
         """Read SSE events until the body ends (or `stop_after` data events, or `until(r)` holds), timestamping
         each event. Can be called again on the same Received to continue."""
         if stop_after is not None:
-            until = lambda r: len(r.data_events()) >= stop_after  # noqa: E731
+            until = lambda r: len(r.data_events()) >= stop_after
         chunked = (r.header("transfer-encoding") or "").lower() == "chunked"
         while True:
             if until is not None and until(r):

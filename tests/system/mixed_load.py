@@ -27,10 +27,8 @@ from __future__ import annotations
 import base64
 import collections
 import io
-import json
 import os
 import random
-import re
 import signal
 import socket
 import struct
@@ -41,8 +39,17 @@ from typing import Any, Callable
 from tests.support.live_server import RawClient, request_bytes
 from tests.support.tiny_vl import image_bytes
 from tests.system import wellformed as wf
-from tests.system.monitor import (HEALTH_MAX_S, RESPONSE_TIMEOUT_S, SETTLE_S, Monitor, get, metric, server_5xx,
-                                  settle, usage)
+from tests.system.monitor import (
+    HEALTH_MAX_S,
+    RESPONSE_TIMEOUT_S,
+    SETTLE_S,
+    Monitor,
+    get,
+    metric,
+    server_5xx,
+    settle,
+    usage,
+)
 from tests.system.sigterm_cycles import start
 
 IDLE_S = 12.0

@@ -20,11 +20,11 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from appliance.native import kernels, twins  # noqa: E402
-from appliance.native.qtypes import QType  # noqa: E402
-from tests.support.ggml_blocks import random_weight  # noqa: E402
+from appliance.native import kernels, twins
+from appliance.native.qtypes import QType
+from tests.support.ggml_blocks import random_weight
 
 
 def side_caller(stop: threading.Event, errors: list) -> None:

@@ -16,7 +16,6 @@ import collections
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -27,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 
-from tests.support.live_server import RawClient, chat_body, request_bytes, wait_healthy  # noqa: E402
+from tests.support.live_server import RawClient, chat_body, request_bytes, wait_healthy
 
 
 def start(model: str, grace: float, log, *extra: str) -> tuple[subprocess.Popen, int]:

@@ -25,17 +25,20 @@ import random
 import socket
 import struct
 import sys
-import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import (
+    HealthCheck,
+    given,
+    settings,
+    strategies as st,
+)
 
-from tests.support.live_server import LiveServer, RawClient, chat_body, request_bytes  # noqa: E402
-from tests.system.monitor import SETTLE_S, settle, usage  # noqa: E402
+from tests.support.live_server import LiveServer, RawClient, chat_body, request_bytes
+from tests.system.monitor import SETTLE_S, settle, usage
 
 RESPONSE_TIMEOUT_S = 30.0
 LONG_PROMPT = " ".join(f"word{i % 97}" for i in range(900))

@@ -24,7 +24,7 @@ UNIT = f"{PKG}.service"
 
 
 @pytest.fixture
-def root(target):
+def root(target):  # noqa: F811 (the fixture imported above)
     """A fresh copy of the Debian 11 arm64 root (test_image_install's `target`)."""
     return target
 

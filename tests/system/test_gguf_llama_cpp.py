@@ -13,7 +13,6 @@ their teacher-forced logits agree (both round activations to 8 bits there, in di
 """
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 

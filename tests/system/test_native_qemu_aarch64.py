@@ -6,7 +6,6 @@ import shutil
 import subprocess
 import sys
 
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench"))
-import peer_isa  # noqa: E402
+import peer_isa
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 instruction-set probes")
 

@@ -463,7 +463,7 @@ def test_model_output_is_text_not_markup(browser, server):
 
 def test_the_renderer_on_markdown_and_on_random_hostile_input(browser, server):
     p = Page(browser, server.url + "/")
-    render = lambda s: p.evaluate("s => Markdown.render(s)", s)  # noqa: E731
+    render = lambda s: p.evaluate("s => Markdown.render(s)", s)
     assert render("Hello **world** and *you*, `x<y`") == \
         "<p>Hello <strong>world</strong> and <em>you</em>, <code>x&lt;y</code></p>"
     assert render("# Title\n\n- a\n- b\n  1. c\n\n3. three\n4. four") == (

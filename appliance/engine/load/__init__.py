@@ -18,8 +18,19 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Union, cast
 
 from .phases import Phases
+
+if TYPE_CHECKING:
+    from ..chat_template import ChatTemplate
+    from ..config import Qwen3Config
+    from ..generate import CausalLM, Engine
+    from ..qwen3 import Qwen3Model
+    from ..qwen3_vl import Qwen3VLModel
+    from ..tokenizer import Tokenizer
+
+    DecoderModel = Union[Qwen3Model, Qwen3VLModel]  # what a loader builds
 
 DEFAULT_CONTEXT = 4096  # when the model does not say its trained context
 KV_TYPES = ("f16", "f32")
@@ -53,11 +64,11 @@ class LoadOptions:
 class LoadedModel:
     name: str
     path: str
-    config: object
-    model: object
-    tokenizer: object
-    chat_template: object
-    engine: object  # generate.Engine
+    config: Qwen3Config
+    model: DecoderModel
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate
+    engine: Engine
     options: LoadOptions = field(default_factory=LoadOptions)
     default_sampling: dict = field(default_factory=dict)
     context_length: int = DEFAULT_CONTEXT
@@ -69,10 +80,10 @@ class LoadedModel:
 @dataclass
 class Checkpoint:
     """What a format loader read: the pieces `finish` turns into a LoadedModel."""
-    config: object
-    model: object
-    tokenizer: object
-    chat_template: object
+    config: Qwen3Config
+    model: DecoderModel
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate
     eos_ids: set[int]
     default_sampling: dict
 
@@ -131,7 +142,7 @@ def set_native_threads(n: int) -> int | None:
     return kernels.configure_threads(n)
 
 
-def decoder_of(model):
+def decoder_of(model: DecoderModel) -> Qwen3Model:
     """The Qwen3Model that runs the text layers (the model itself, or a Qwen3-VL model's text decoder)."""
     from ..qwen3_vl import Qwen3VLModel
     return model.text if isinstance(model, Qwen3VLModel) else model
@@ -153,10 +164,11 @@ def finish(path: str, ckpt: Checkpoint, options: LoadOptions, phases: Phases | N
             plan = set_max_resident(ckpt.model, options.max_resident_mib << 20)
         except ResidentBudgetError as e:
             raise ModelLoadError(f"--max-resident {options.max_resident_mib}: {e}") from None
-        log.info("low-memory mode: %s", plan.describe(len(ckpt.model.layers)))
+        log.info("low-memory mode: %s", plan.describe(len(decoder_of(ckpt.model).layers)))
     choose_runner(decoder_of(ckpt.model))  # native or numpy layers: once, after the weights took their form
     phases.mark("layers")
     import numpy as np
+
     from ..kv_cache import KV_TYPES as KV_DTYPES
 
     cfg = ckpt.config
@@ -171,7 +183,8 @@ def finish(path: str, ckpt: Checkpoint, options: LoadOptions, phases: Phases | N
              "prefix cache %s, budget %.0f MB", ctx, "--ctx" if options.context_length else "default: trained, "
              "capped by memory", trained, options.kv_type, per_token, ctx * per_token / 2**20,
              "on" if options.prefix_reuse else "off", cache_bytes / 2**20)
-    engine = Engine(ckpt.model, ckpt.tokenizer, ckpt.eos_ids, ctx, options.prefill_chunk, kv_dtype=dtype,
+    # cast: Qwen3VLModel.forward takes the MRopeCache its own new_cache makes (the Engine only passes that one)
+    engine = Engine(cast("CausalLM", ckpt.model), ckpt.tokenizer, ckpt.eos_ids, ctx, options.prefill_chunk, kv_dtype=dtype,
                     cache_bytes=cache_bytes, reuse_prefix=options.prefix_reuse)
     phases.mark("engine (KV and prefix caches)")
     if options.prompt_cache_dir and options.prefix_reuse:

@@ -27,17 +27,17 @@ from typing import Any
 
 import numpy as np
 
-from .. import qwen3
-from ..config import Qwen3Config
-from ..qwen3_moe import ExpertLoadStats, Experts, MoEConfig, SparseMoE
-from ..quant_weights import QuantWeight
-from ..weights import DenseWeight
 from appliance.native.qtypes import QType
 
+from .. import qwen3
+from ..config import Qwen3Config
+from ..quant_weights import QuantWeight
+from ..qwen3_moe import ExpertLoadStats, Experts, MoEConfig, SparseMoE
+from ..weights import DenseWeight
 from . import Checkpoint, LoadOptions, ModelLoadError, UnsupportedTensorType
 from .gguf_file import GGUFFile
-from .phases import Phases
 from .names import EXPERT_PROJECTIONS, gguf_experts, gguf_layer, gguf_model
+from .phases import Phases
 
 SUPPORTED_ARCHITECTURES = ("qwen3", "qwen2", "llama", "qwen3moe")
 # GGUF general.sampling.* -> generation_config.json names (what LoadedModel.default_sampling holds)
@@ -146,7 +146,7 @@ def config_from_metadata(meta: dict[str, Any], f: GGUFModelFile) -> Qwen3Config:
 
 def build_model(cfg: Qwen3Config, f: GGUFModelFile, meta: dict[str, Any] | None = None) -> qwen3.Qwen3Model:
     """The decoder over GGUF tensor names (blk.N.attn_q.weight, ...)."""
-    moe = moe_config_from_metadata(meta, cfg.model_type) if cfg.model_type == "qwen3moe" else None
+    moe = moe_config_from_metadata(meta or {}, cfg.model_type) if cfg.model_type == "qwen3moe" else None
     stats = ExpertLoadStats()
     permuted = cfg.model_type == "llama"
     q_order = unpermute_rows(cfg.num_attention_heads * cfg.head_dim, cfg.num_attention_heads) if permuted else None
@@ -180,7 +180,7 @@ def build_model(cfg: Qwen3Config, f: GGUFModelFile, meta: dict[str, Any] | None 
 
 # ---- mixture of experts ---------------------------------------------------------------------------------
 
-def moe_config_from_metadata(meta: dict, arch: str) -> MoEConfig:
+def moe_config_from_metadata(meta: dict[str, Any], arch: str) -> MoEConfig:
     def key(name):
         v = meta.get(f"{arch}.{name}")
         if v is None:

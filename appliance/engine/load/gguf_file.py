@@ -57,7 +57,7 @@ class GGUFFile:
         mapping = np.memmap(path, mode="r")
         self.data = mapping.view(np.ndarray)  # plain ndarray slices: numpy.memmap's per-slice bookkeeping is slow
         # the header is read from the mmap itself: its slices are bytes, the quickest to decode
-        self._buf = mapping.base if isinstance(mapping.base, mmap.mmap) else memoryview(self.data)
+        self._buf = mapping.base if isinstance(mapping.base, mmap.mmap) else self.data.data
         self._off = 0
         try:
             self._read_header()
@@ -126,7 +126,8 @@ class GGUFFile:
 
     def _strings(self, n: int) -> list[str]:
         """n length-prefixed strings (a vocabulary: the loop that matters, so it is kept tight)."""
-        buf, off, out = self._buf, self._off, []
+        buf, off = self._buf, self._off
+        out: list[str] = []
         unpack, append, size = _U64.unpack_from, out.append, len(buf)
         for _ in range(n):
             length = unpack(buf, off)[0]
@@ -148,8 +149,9 @@ class GGUFFile:
             block, type_bytes = BLOCK[qtype]
         except (ValueError, KeyError):  # a type the kernels do not serve: gguf's name, so the error can say it
             import gguf
-            qtype = gguf.GGMLQuantizationType(type_id)  # ValueError for ids no GGUF defines
-            block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
+            gg_type = gguf.GGMLQuantizationType(type_id)  # ValueError for ids no GGUF defines
+            block, type_bytes = gguf.GGML_QUANT_SIZES[gg_type]
+            qtype = gg_type  # type: ignore[assignment]  # the Tensor carries gguf's type, named in the error
         if ne0 % block:
             raise ValueError(f"tensor {name}: row length {ne0} is not a multiple of the block size {block}")
         n_bytes = n_elements // block * type_bytes

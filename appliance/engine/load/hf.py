@@ -18,9 +18,9 @@ import numpy as np
 from .. import qwen3
 from ..config import Qwen3Config, UnsupportedModelError
 from ..image_processing import ImageProcessor
+from ..quant_weights import half_weight
 from ..qwen3_moe import ExpertLoadStats, Experts, MoEConfig, SparseMoE
 from ..qwen3_vl import Qwen3VLModel
-from ..quant_weights import half_weight
 from ..safetensors import SafeTensors, SafetensorsError, to_float32
 from ..vision import Linear, PatchMerger, VisionBlock, VisionConfig, VisionTower, vision_ops
 from ..weights import DenseWeight
@@ -117,9 +117,9 @@ def build_decoder(st: SafeTensors, cfg: Qwen3Config, mlp_for_layer: Callable[[in
 
     layers = []
     for i in range(cfg.num_hidden_layers):
+        q, k, v, o = (dense_weight(st, names.layer(i, role)) for role in ("q", "k", "v", "o"))
         attn = qwen3.Attention(
-            *(dense_weight(st, names.layer(i, role)) for role in ("q", "k", "v", "o")),
-            q_norm=opt(i, "q_norm"), k_norm=opt(i, "k_norm"),
+            q, k, v, o, q_norm=opt(i, "q_norm"), k_norm=opt(i, "k_norm"),
             q_bias=opt(i, "q_bias"), k_bias=opt(i, "k_bias"), v_bias=opt(i, "v_bias"))
         layers.append(qwen3.Layer(st.float32(names.layer(i, "attn_norm")), attn,
                                   st.float32(names.layer(i, "mlp_norm")), mlp_for_layer(i)))
@@ -213,7 +213,8 @@ def build_qwen3_vl(st: SafeTensors, cfg_dict: dict, options: LoadOptions = LoadO
     if "tie_word_embeddings" in cfg_dict:
         text_d["tie_word_embeddings"] = cfg_dict["tie_word_embeddings"]
     rope = text_d.get("rope_parameters") or text_d.get("rope_scaling") or {}
-    section = tuple(int(x) for x in rope.get("mrope_section", (24, 20, 20)))
+    t_sec, h_sec, w_sec = (int(x) for x in rope.get("mrope_section", (24, 20, 20)))
+    section = (t_sec, h_sec, w_sec)
     cfg = Qwen3Config.from_dict({**text_d, "model_type": "qwen3"})
     if sum(section) != cfg.head_dim // 2:
         raise ValueError(f"mrope_section {section} does not cover head_dim {cfg.head_dim}")
