@@ -102,6 +102,7 @@ class FinishEvent:
     completion_tokens: int
     token_ids: list[int]
     timings: Timings
+    stop_sequence: str | None = None  # the stop string that ended it (reason 'stop'), else None
 
 
 def _ms(t0: float) -> float:
@@ -260,7 +261,7 @@ class Engine:
             timings.total_ms = _ms(t0)
             self.store.shrink(reserve=len(self.cache_tokens) * self.cache.bytes_per_token)
             self._disk_pending = (list(req.prompt_ids), images)
-            return FinishEvent(reason, tail, len(req.prompt_ids), len(generated), generated, timings)
+            return FinishEvent(reason, tail, len(req.prompt_ids), len(generated), generated, timings, stops.matched)
 
         reused = timings.cache_n = self.begin_sequence(req.prompt_ids, images)
         if req.images:

@@ -44,6 +44,7 @@ class GenerationStats:
     image_tokens: int = 0     # image-pad tokens in the prompt (part of prompt_tokens)
     image_encode_ms: float = 0.0  # vision tower time (before prefill; inside ttft, not prefill)
     cached_tokens: int = 0    # prompt tokens whose keys/values were reused (part of prompt_tokens)
+    stop_sequence: str | None = None  # the stop string that ended the generation, if one did
 
     @classmethod
     def from_finish(cls, finish: Any, queue_ms: float = 0.0) -> "GenerationStats":
@@ -53,7 +54,7 @@ class GenerationStats:
                    prefill_ms=t.prefill_ms, ttft_ms=t.ttft_ms, decode_ms=float(sum(t.decode_ms)),
                    total_ms=t.total_ms, tpot_ms=t.tpot_ms, tok_s=t.tok_s, queue_ms=queue_ms,
                    image_tokens=getattr(t, "image_tokens", 0), image_encode_ms=getattr(t, "image_encode_ms", 0.0),
-                   cached_tokens=getattr(t, "cache_n", 0))
+                   cached_tokens=getattr(t, "cache_n", 0), stop_sequence=getattr(finish, "stop_sequence", None))
 
     @property
     def prefilled_tokens(self) -> int:

@@ -1,7 +1,7 @@
 """The application: dispatch, the API key, CORS, /health /metrics /props /v1/models and the chat page. It builds
 one Preparer (preparer.py) and takes the route tables of the API modules over it: openai.py (/v1/chat/completions,
-/v1/completions), ollama.py (/api/*, the / probe), responses.py (/v1/responses). Adding an endpoint touches one
-API module (and its line here if it is a new module).
+/v1/completions), ollama.py (/api/*, the / probe), responses.py (/v1/responses), anthropic.py (/v1/messages).
+Adding an endpoint touches one API module (and its line here if it is a new module).
 
 Policies:
 - Order of checks: route (404/405) -> API key (401; /health, /v1/models, /, /api/version and CORS preflights
@@ -11,7 +11,9 @@ Policies:
   written, so a client closing right after reading is not "gone"): one that ends because its client left before
   is counted with code 499 (nginx's "client closed request"); a queued request that never ran is also in
   kestrel_queue_abandoned_total.
-- Errors are OpenAI's error JSON, except under /api/ (Ollama's `{"error": "..."}`).
+- Errors are OpenAI's error JSON, except under /api/ (Ollama's `{"error": "..."}`) and /v1/messages (Anthropic's
+  `{"type": "error", "error": {...}}`).
+- The key: `Authorization: Bearer KEY`, or `x-api-key: KEY` (Anthropic's clients send that one).
 - Keys are compared with hmac.compare_digest against every configured key (no early exit on the first match).
 """
 from __future__ import annotations
@@ -24,10 +26,12 @@ from typing import Any
 from .. import web
 from ..h11_server import Exchange
 from ..protocol import prometheus
+from ..protocol.anthropic_stream import error_body as anthropic_error_body
 from ..protocol.chunks import model_list
 from ..protocol.errors import ApiError, error_body, invalid_api_key, method_not_allowed, missing_api_key, not_found
 from ..protocol.ollama_stream import error_body as ollama_error_body
 from ..protocol.sse import JSON_CONTENT_TYPE, json_bytes
+from .anthropic import AnthropicApi, is_anthropic_path
 from .config import ApiConfig, Handler, Routes
 from .loop_lag import LoopLag
 from .ollama import OllamaApi, is_ollama_path
@@ -66,6 +70,7 @@ class Api:
         html_root: Handler | None = self.page if cfg.web else None
         self.routes.update(OllamaApi(self.prep, html_root=html_root).routes())
         self.routes.update(ResponsesApi(self.prep).routes())
+        self.routes.update(AnthropicApi(self.prep).routes())
         if cfg.web:  # the chat page (appliance/web)
             self.routes["/chat"] = {"GET": self.page}
 
@@ -93,7 +98,8 @@ class Api:
             ex.notes["error"] = e.message
             if ex.response_started:  # an HTTP-level error after a stream began cannot be reported
                 raise
-            body = ollama_error_body(e) if is_ollama_path(path) else error_body(e)
+            body = ollama_error_body(e) if is_ollama_path(path) else \
+                anthropic_error_body(e) if is_anthropic_path(path) else error_body(e)
             await ex.respond(e.status, [(b"Content-Type", JSON_CONTENT_TYPE)] + list(e.headers) + self.cors_headers(),
                              body)
         finally:  # what it really ended with: sent whole, client gone (499), cut by shutdown, or a failure (500)
@@ -114,11 +120,11 @@ class Api:
     def _check_key(self, ex: Exchange) -> None:
         if not self._keys:
             return
-        auth = ex.header("authorization")
-        if not auth:
+        auth, x_key = ex.header("authorization"), ex.header("x-api-key")   # x-api-key: Anthropic's clients
+        if not auth and not x_key:
             raise missing_api_key()
-        scheme, _, token = auth.strip().partition(" ")
-        given = token.strip().encode("latin-1", "replace") if scheme.lower() == "bearer" else b""
+        scheme, _, token = (auth or "").strip().partition(" ")
+        given = (token.strip() if scheme.lower() == "bearer" else (x_key or "").strip()).encode("latin-1", "replace")
         ok = False
         for key in self._keys:
             ok |= hmac.compare_digest(given, key)

@@ -153,9 +153,11 @@ class Generation:
 
 
 async def run_ticket(prep: Preparer, ex: Exchange, loaded: LoadedModel, req: Any, ids: list[int], out: Any, *,
-                     body_size: int = 0, constraint: Any = None, messages: Sequence[dict[str, Any]] = ()) -> None:
+                     body_size: int = 0, constraint: Any = None, messages: Sequence[dict[str, Any]] = (),
+                     on_prompt: Callable[[list[int]], None] | None = None) -> None:
     """A prepared request (any API's) through admission, the images of its chat `messages` (none for a text
-    completion), and the engine (`constraint`: its compiled output format, from Preparer.compile_constraint)."""
+    completion), and the engine (`constraint`: its compiled output format, from Preparer.compile_constraint;
+    `on_prompt`: told the prompt's final ids, image tokens expanded, before the stream opens)."""
     t_arrival = time.perf_counter()
     ticket = prep.admit()
     urls = image_urls(messages)
@@ -168,6 +170,8 @@ async def run_ticket(prep: Preparer, ex: Exchange, loaded: LoadedModel, req: Any
             raise
     else:
         images = ()
+    if on_prompt is not None:
+        on_prompt(ids)
     gen = Generation(ids, req, out, token_bytes=loaded.tokenizer.token_bytes, headers=prep.cors_headers(),
                      keepalive_s=prep.cfg.queue_keepalive_s, images=images, constraint=constraint)
     await gen.run(ex, ticket, t_arrival)
