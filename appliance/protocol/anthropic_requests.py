@@ -22,7 +22,8 @@ Policies:
 - tools: custom tools (`type` absent or "custom": name, description, input_schema) -> function tools; Anthropic's
   own tool types (bash_*, text_editor_*, web_search_*, ...) are a 400 naming the tool. tool_choice: auto / any
   (-> "required": a call is forced) / tool {name} (that call is forced) / none (tools dropped);
-  disable_parallel_tool_use -> parallel_tool_calls false.
+  disable_parallel_tool_use -> parallel_tool_calls false (absent: not given, so the generic tool format of
+  templates without tools keeps its one-call default, protocol/generic_tools.py).
 - thinking: {"type": "enabled", "budget_tokens": N} (or "adaptive") -> the template's enable_thinking on,
   {"type": "disabled"} -> off, absent -> the template's default (as llama.cpp's and Ollama's Anthropic routes do;
   with a forced tool choice, off, as every API here does for an output constraint). budget_tokens is checked
@@ -288,7 +289,7 @@ def _parse(data: Mapping[str, Any], defaults: Mapping[str, Any] | None, images_s
     return ChatRequest(messages=messages, sampling=sampling, model=get(data, "model", "string"),
                        max_tokens=max_tokens, stop=_stop_sequences(data), stream=stream, tools=tools,
                        tool_choice=choice if tools else None, template_kwargs=kwargs, output_format=forced,
-                       parallel_tool_calls=parallel if tools else None)
+                       parallel_tool_calls=False if tools and not parallel else None)
 
 
 def parse_messages_request(body: bytes, *, defaults: Mapping[str, Any] | None = None,

@@ -10,7 +10,8 @@ Policies:
   OutputRouter (reasoning / content / tool calls, protocol/router.py) and becomes a `thinking_delta` (inside
   <think>), a `text_delta`, or a tool call's start (`content_block_start` of a tool_use block, input {}) and its
   arguments as `input_json_delta`s as they decode; a token that opens a block writes its start and its first
-  delta together (one write), a token whose text closes a block writes the stop with the next block's start.
+  delta together (one write). A thinking block stops with the token that closes </think>, a tool_use block with
+  the one that closes its </tool_call>, a text block when the next block starts or the message ends.
 - Blocks: thinking blocks carry `signature: ""` (there is nothing to sign; Anthropic's SDKs and Claude Code send
   them back as received, and the request parser ignores it); text blocks `{"type": "text", "text": ...}`;
   tool_use blocks have ids `toolu_...` and, non-stream, `input` the parsed arguments (arguments that are not a
@@ -127,13 +128,17 @@ class AnthropicAssembler:
                             "delta": {"type": "input_json_delta", "partial_json": args}})
 
     def _route(self, routed) -> list[dict[str, Any]]:
-        r, c, _ = routed
+        r, c, done = routed
         out: list[dict[str, Any]] = []
         if r:
             self._text("thinking", r, out)
+        if self._open is not None and self.blocks[self._open]["type"] == "thinking" and not self.router.in_reasoning:
+            self._stop(out)                       # </think> passed: the thinking block is whole
         if c:
             self._text("text", c, out)
         self._tool_deltas(self.router.deltas, out)
+        if done and self._open is not None and self.blocks[self._open].get("id") == done[-1]["id"]:
+            self._stop(out)                       # </tool_call> passed: the call is whole
         return out
 
     # ---- objects -------------------------------------------------------------------------------------------
