@@ -244,3 +244,47 @@ def test_bad_bodies_are_400s_naming_the_field(raw, param, words):
     e = bad(raw)
     assert e.param == param and words in e.message, e
     assert json.loads(error_body(e))["error"]["type"] == "invalid_request_error"
+
+
+GOOD = {"model": "m", "max_tokens": 64, "system": "s", "messages": [{"role": "user", "content": "hi"}],
+        "tools": [WEATHER], "tool_choice": {"type": "auto"}, "thinking": {"type": "disabled"}, "stop_sequences": ["#"]}
+BLOCK_TYPES = ["text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking", "document", None]
+
+
+def anthropic_mutate(rng) -> dict:
+    from tests.protocol.test_protocol_fuzz import rand_value
+    body = {k: v for k, v in GOOD.items() if rng.random() < 0.8}
+    for _ in range(rng.randint(0, 3)):
+        body[rng.choice(list(GOOD) + ["temperature", "top_k", "top_p", "stream", "metadata"])] = rand_value(rng)
+    if rng.random() < 0.7:
+        msgs = []
+        for _ in range(rng.randint(0, 3)):
+            blocks = [{k: v for k, v in {"type": rng.choice(BLOCK_TYPES), "text": rand_value(rng, 3),
+                                         "id": rng.choice(["t", None, 1]), "name": rng.choice(["f", None]),
+                                         "input": rng.choice([{}, None, "x"]), "tool_use_id": rng.choice(["t", None]),
+                                         "content": rand_value(rng, 2), "thinking": rng.choice(["h", None]),
+                                         "source": rng.choice([None, {"type": "base64", "media_type": "image/png",
+                                                                      "data": "AA"}, {"type": "url", "url": 5}])
+                                         }.items() if v is not None or rng.random() < 0.2}
+                      for _ in range(rng.randint(0, 3))]
+            msgs.append({"role": rng.choice(["user", "assistant", "system", 3]),
+                         "content": blocks if rng.random() < 0.7 else rand_value(rng, 2)})
+        body["messages"] = msgs
+    return body
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_bodies_end_in_a_request_or_a_400(seed):
+    import random
+    rng = random.Random(3000 + seed)
+    seen = set()
+    for _ in range(400):
+        raw = json.dumps(anthropic_mutate(rng)).encode()
+        try:
+            parse_messages_request(raw, defaults={"temperature": 0.6}, images_supported=rng.random() < 0.5)
+            seen.add("ok")
+        except ApiError as e:
+            assert e.status == 400 and e.message
+            assert json.loads(error_body(e))["error"]["type"] == "invalid_request_error"
+            seen.add("400")
+    assert seen == {"ok", "400"}
