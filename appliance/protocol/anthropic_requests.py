@@ -17,8 +17,10 @@ Policies:
   message, placed before the turn's other content as Anthropic orders them; thinking (assistant) -> the turn's
   reasoning_content (the template puts it back inside <think>); redacted_thinking is dropped. Any other block type
   (document, search_result, server tool blocks) is a 400 naming the block.
-- A final assistant message (a "prefill") is a 400: the chat templates here cannot continue an open assistant
-  turn, and rendering it as a closed turn would answer a different question.
+- A final assistant message is a prefill, as Anthropic's: the prompt is the template's rendering with that turn
+  cut right after its text (continue_final_message), and the answer continues it (the response holds only the
+  new text). Its content must be text without trailing whitespace (Anthropic's 400), no tool_use; an empty one
+  is dropped.
 - tools: custom tools (`type` absent or "custom": name, description, input_schema) -> function tools; Anthropic's
   own tool types (bash_*, text_editor_*, web_search_*, ...) are a 400 naming the tool. tool_choice: auto / any
   (-> "required": a call is forced) / tool {name} (that call is forced) / none (tools dropped);
@@ -60,7 +62,22 @@ _TOOL_PART = re.compile(r"tools\[(\d+)\](\.function\.)?")
 @dataclass(frozen=True)
 class AnthropicRequest:
     request: ChatRequest
-    max_tokens: int                  # as the client asked (request.max_tokens may be lowered to the context)
+    max_tokens: int | None           # as the client asked (request.max_tokens may be lowered to the context)
+    prefill: bool = False            # the last message is the assistant's: render it open, continue its text
+
+    @property
+    def prefill_text(self) -> str | None:
+        return self.request.messages[-1]["content"] if self.prefill else None
+
+
+def continue_final_message(prompt: str, prefill: str) -> str:
+    """The prompt rendered with the prefill as a closed last turn, cut right after the prefill's text (what
+    transformers' continue_final_message does): the model continues the assistant's words."""
+    i = prompt.rfind(prefill)
+    if i < 0:
+        raise invalid("messages", "The chat template changed the final assistant message; it cannot be continued "
+                                  "(prefill).", code="invalid_value")
+    return prompt[:i + len(prefill)]
 
 
 def _blocks(v: Any, p: str) -> list[dict[str, Any]]:
@@ -178,11 +195,16 @@ def to_chat_messages(data: Mapping[str, Any]) -> list[dict[str, Any]]:
         raise invalid("messages", "messages: at least one message is required.", code="invalid_value")
     for i, msg in enumerate(raw):
         out.extend(_message(msg, i))
-    last = raw[-1]
-    if last.get("role") == "assistant":
-        raise invalid(f"messages.{len(raw) - 1}", "A final assistant message (prefill) is not supported by this "
-                                                  "server: end the conversation with a user message.",
-                      code="unsupported_value")
+    if raw[-1].get("role") == "assistant":        # a prefill: the answer continues this text
+        p, last = f"messages.{len(raw) - 1}", out[-1]
+        if last.get("tool_calls"):
+            raise invalid(f"{p}.content", f"{p}.content: a final assistant message (prefill) cannot hold tool_use "
+                                          f"blocks.", code="invalid_value")
+        if not isinstance(last["content"], str) or last["content"] != last["content"].rstrip():
+            raise invalid(f"{p}.content", f"{p}.content: final assistant content cannot end with trailing "
+                                          f"whitespace.", code="invalid_value")
+        if not last["content"]:
+            out.pop()                                 # nothing to continue: an ordinary generation prompt
     return out
 
 
@@ -272,7 +294,7 @@ def _stop_sequences(data: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 def _parse(data: Mapping[str, Any], defaults: Mapping[str, Any] | None, images_supported: bool,
-           max_tokens: int | None, stream: bool) -> ChatRequest:
+           max_tokens: int | None, stream: bool) -> AnthropicRequest:
     messages = normalize_messages(to_chat_messages(data), images_supported=images_supported)
     sampling = _sampling({k: data.get(k) for k in ("temperature", "top_p", "top_k")}, defaults, {})
     tools = _tools(data.get("tools"))
@@ -286,10 +308,11 @@ def _parse(data: Mapping[str, Any], defaults: Mapping[str, Any] | None, images_s
     kwargs: dict[str, Any] = {}
     if thinking is not None or forced is not None:
         kwargs["enable_thinking"] = bool(thinking)
-    return ChatRequest(messages=messages, sampling=sampling, model=get(data, "model", "string"),
-                       max_tokens=max_tokens, stop=_stop_sequences(data), stream=stream, tools=tools,
-                       tool_choice=choice if tools else None, template_kwargs=kwargs, output_format=forced,
-                       parallel_tool_calls=False if tools and not parallel else None)
+    req = ChatRequest(messages=messages, sampling=sampling, model=get(data, "model", "string"),
+                      max_tokens=max_tokens, stop=_stop_sequences(data), stream=stream, tools=tools,
+                      tool_choice=choice if tools else None, template_kwargs=kwargs, output_format=forced,
+                      parallel_tool_calls=False if tools and not parallel else None)
+    return AnthropicRequest(req, max_tokens, prefill=messages[-1]["role"] == "assistant")
 
 
 def parse_messages_request(body: bytes, *, defaults: Mapping[str, Any] | None = None,
@@ -301,10 +324,10 @@ def parse_messages_request(body: bytes, *, defaults: Mapping[str, Any] | None = 
     if max_tokens < 1:
         raise invalid("max_tokens", f"max_tokens: must be >= 1, got {max_tokens}.", code="invalid_value")
     stream = get(data, "stream", "boolean", default=False)
-    return AnthropicRequest(_parse(data, defaults, images_supported, max_tokens, stream), max_tokens)
+    return _parse(data, defaults, images_supported, max_tokens, stream)
 
 
-def parse_count_tokens_request(body: bytes, *, images_supported: bool = False) -> ChatRequest:
+def parse_count_tokens_request(body: bytes, *, images_supported: bool = False) -> AnthropicRequest:
     """count_tokens' body: the same fields less max_tokens / stream / sampling (ignored if sent)."""
     data = load_json_object(body)
     return _parse(data, None, images_supported, None, False)

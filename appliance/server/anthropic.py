@@ -10,6 +10,8 @@ Policies:
   `x-api-key` header or as `Authorization: Bearer`.
 - max_tokens is lowered to the room the prompt leaves in the context (never a 400 for a large max_tokens; the
   stop_reason says which limit ended it); a prompt that leaves no room is the usual 400.
+- A final assistant message (prefill) is rendered as the template closes it and cut after its text
+  (Preparer.render_prompt's continue_final), so the model continues it.
 - count_tokens renders and tokenizes exactly what /v1/messages would prefill (template, tools, thinking switch)
   without queueing; a request with images is a 400 there (counting their tokens means decoding them, which only
   a request holding a place in line does).
@@ -20,11 +22,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..h11_server import Exchange
-from ..protocol.anthropic_requests import (
-    AnthropicRequest,
-    parse_count_tokens_request,
-    parse_messages_request,
-)
+from ..protocol.anthropic_requests import (AnthropicRequest, continue_final_message, parse_count_tokens_request,
+                                           parse_messages_request)
 from ..protocol.anthropic_stream import AnthropicAssembler
 from ..protocol.errors import ApiError
 from ..protocol.reasoning import prompt_ends_in_reasoning
@@ -54,9 +53,9 @@ class AnthropicApi:
         a: AnthropicRequest = parse_messages_request(body, defaults=loaded.default_sampling,
                                                      images_supported=loaded.multimodal)
         req = prep.fit_tools(loaded, a.request)
-        prompt, ids = prep.render_prompt(loaded, req, len(body), check=False)
+        prompt, ids = prep.render_prompt(loaded, req, len(body), check=False, continue_final=self._prefill(a))
         room = loaded.context_length - len(ids)
-        if room > 0 and a.max_tokens > room:
+        if room > 0 and a.max_tokens is not None and a.max_tokens > room:
             req = replace(req, max_tokens=room)
         if not image_urls(req.messages):
             prep.check_context(loaded, len(ids), req.max_tokens)
@@ -68,7 +67,7 @@ class AnthropicApi:
         loaded = prep.loaded()
         body = await ex.read_body()
         a, req, prompt, ids, constraint = await prep.prepare(lambda: self._prepare(loaded, body))
-        out = AnthropicAssembler(prep.model_name, len(ids), a.max_tokens,
+        out = AnthropicAssembler(prep.model_name, len(ids), a.max_tokens or 0,
                                  in_reasoning=prompt_ends_in_reasoning(prompt), tools=bool(req.tools),
                                  tool_format=req.tool_format)
 
@@ -77,14 +76,20 @@ class AnthropicApi:
         await run_ticket(prep, ex, loaded, req, ids, out, body_size=len(body), constraint=constraint,
                          messages=req.messages, on_prompt=expanded)
 
+    @staticmethod
+    def _prefill(a: AnthropicRequest):
+        text = a.prefill_text
+        return None if text is None else lambda prompt: continue_final_message(prompt, text)
+
     def _count(self, loaded: LoadedModel, body: bytes) -> int:
         prep = self.prep
-        req = prep.fit_tools(loaded, parse_count_tokens_request(body, images_supported=loaded.multimodal))
+        a = parse_count_tokens_request(body, images_supported=loaded.multimodal)
+        req = prep.fit_tools(loaded, a.request)
         if image_urls(req.messages):
             raise ApiError(400, "count_tokens does not count images on this server; send the request without "
                                 "them, or read usage.input_tokens of a /v1/messages answer.", param="messages",
                            code="unsupported_value")
-        _, ids = prep.render_prompt(loaded, req, len(body), check=False)
+        _, ids = prep.render_prompt(loaded, req, len(body), check=False, continue_final=self._prefill(a))
         return len(ids)
 
     async def count_tokens(self, ex: Exchange) -> None:

@@ -102,14 +102,17 @@ class Preparer:
             raise ApiError(400, f"Invalid schema for '{part}': {e}", param=part, code="invalid_schema") from None
 
     def render_prompt(self, loaded: LoadedModel, req: ChatRequest, body_size: int,
-                      check: bool = True) -> tuple[str, list[int]]:
+                      check: bool = True, continue_final: Callable[[str], str] | None = None) -> tuple[str, list[int]]:
         """Worker thread: a ChatRequest's prompt text and ids (the context is checked here unless the request
-        has images, whose tokens are counted after decoding, or the caller checks it itself)."""
+        has images, whose tokens are counted after decoding, or the caller checks it itself). `continue_final`:
+        the last message is the assistant's to continue; renders it closed and returns the prompt cut open."""
         try:
-            prompt = loaded.chat_template.render(req.messages, tools=req.tools, add_generation_prompt=True,
-                                                 **req.template_kwargs)
+            prompt = loaded.chat_template.render(req.messages, tools=req.tools,
+                                                 add_generation_prompt=continue_final is None, **req.template_kwargs)
         except ValueError as e:  # ChatTemplateError: the template refused these messages
             raise ApiError(400, str(e), param="messages", code="invalid_messages") from None
+        if continue_final is not None:
+            prompt = continue_final(prompt)
         ids = self.encode(loaded, prompt, req.max_tokens, body_size)
         if check and not image_urls(req.messages):
             self.check_context(loaded, len(ids), req.max_tokens)

@@ -11,7 +11,8 @@ import pytest
 from anthropic.types import Message, RawMessageStreamEvent
 from pydantic import TypeAdapter
 
-from appliance.protocol.anthropic_requests import parse_count_tokens_request, parse_messages_request
+from appliance.protocol.anthropic_requests import (continue_final_message, parse_count_tokens_request,
+                                                   parse_messages_request)
 from appliance.protocol.anthropic_stream import PING, AnthropicAssembler, error_body
 from appliance.protocol.errors import ApiError, queue_full
 from appliance.protocol.stats import GenerationStats
@@ -209,7 +210,21 @@ def test_thinking_and_tool_choice():
     assert e.param == "tool_choice.name"
     count = parse_count_tokens_request(json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
                                                    "system": "s"}).encode())
-    assert count.max_tokens is None and [x["role"] for x in count.messages] == ["system", "user"]
+    assert count.max_tokens is None and [x["role"] for x in count.request.messages] == ["system", "user"]
+
+
+def test_a_final_assistant_message_is_a_prefill():
+    r = parse_messages_request(body(messages=[{"role": "user", "content": "Pick (A) or (B)."},
+                                              {"role": "assistant", "content": [{"type": "text", "text": "The "},
+                                                                                {"type": "text", "text": "answer is ("}]}]))
+    assert r.prefill and r.prefill_text == "The answer is ("
+    rendered = "<|im_start|>user\nPick (A) or (B).<|im_end|>\n<|im_start|>assistant\nThe answer is (<|im_end|>\n"
+    assert continue_final_message(rendered, r.prefill_text) == rendered[:-len("<|im_end|>\n")]
+    with pytest.raises(ApiError):
+        continue_final_message("<|im_start|>assistant\n<|im_end|>\n", "dropped by the template")
+    empty = parse_messages_request(body(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]))
+    assert not empty.prefill and [m["role"] for m in empty.request.messages] == ["user"]
+    assert not parse_messages_request(body()).prefill
 
 
 @pytest.mark.parametrize("raw, param, words", [
@@ -224,8 +239,10 @@ def test_thinking_and_tool_choice():
     (body(messages=[{"role": "user", "content": [{"text": "no type"}]}]), "messages.0.content.0.type", "Missing"),
     (body(messages=[{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]),
      "messages.0.content.0.type", "'tool_use'"),
-    (body(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "The answer is"}]),
-     "messages.1", "prefill"),
+    (body(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "The answer is "}]),
+     "messages.1.content", "trailing whitespace"),
+    (body(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]), "messages.1.content", "tool_use"),
     (body(messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "base64",
                                                   "media_type": "image/png", "data": "AA"}}]}]),
      "messages.0.content.0", "does not accept images"),

@@ -133,6 +133,13 @@ def test_create_and_stream(client):
     assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == " Paris"
     cut = client.messages.create(model="m", max_tokens=2, messages=ASK, thinking=OFF, extra_body=GREEDY)
     assert cut.content[0].text == " Sunny in" and cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 2
+    # a prefill: the answer continues the assistant's words (the scripted model: " Sunny in" -> " Paris today.")
+    prefill = client.messages.create(model="m", max_tokens=32, thinking=OFF, extra_body=GREEDY,
+                                     messages=[*ASK, {"role": "assistant", "content": " Sunny in"}])
+    assert prefill.content[0].text == " Paris today." and prefill.stop_reason == "end_turn"
+    assert client.messages.count_tokens(model="m", thinking=OFF, messages=[
+        *ASK, {"role": "assistant", "content": " Sunny in"}]).input_tokens == \
+        prefill.usage.input_tokens + prefill.usage.cache_read_input_tokens
     system = client.messages.create(model="m", max_tokens=32, messages=ASK, thinking=OFF, extra_body=GREEDY,
                                     system="Answer briefly.")
     assert (system.usage.input_tokens + system.usage.cache_read_input_tokens) > total
