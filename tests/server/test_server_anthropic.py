@@ -319,3 +319,78 @@ def test_smollm2_create_stream_and_forced_tool_use(smollm2):
     tool = [b for b in call_msg.content if b.type == "tool_use"]
     assert "input_json" in kinds and len(tool) == 1 and tool[0].name == "get_weather"
     assert isinstance(tool[0].input.get("city"), str) and call_msg.stop_reason == "tool_use"
+
+
+def test_image_blocks_on_tiny_qwen3_vl_match_chat_completions(tmp_path_factory):
+    import base64
+
+    import openai
+
+    from tests.support.tiny_vl import cached_qwen3_vl, image_bytes
+    data = base64.b64encode(image_bytes(120, 90, "PNG", seed=6)).decode()
+    with LiveServer(cached_qwen3_vl(tmp_path_factory)) as s:
+        c = anthropic.Anthropic(base_url=s.url, api_key="none", max_retries=0)
+        content = [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}},
+                   {"type": "text", "text": "Describe."}]
+        with c.messages.stream(model="vl", max_tokens=16, extra_body=GREEDY,
+                               messages=[{"role": "user", "content": content}]) as st:
+            start = next(e for e in st if e.type == "message_start")
+            r = st.get_final_message()
+        cc = openai.OpenAI(base_url=s.url + "/v1", api_key="none").chat.completions.create(
+            model="vl", temperature=0, max_tokens=16, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}},
+                {"type": "text", "text": "Describe."}]}])
+        text = "".join(b.text for b in r.content if b.type == "text")
+        reasoning = "".join(b.thinking for b in r.content if b.type == "thinking")
+        assert text == (cc.choices[0].message.content or "")
+        assert reasoning == (getattr(cc.choices[0].message, "reasoning_content", None) or "")
+        prompt = r.usage.input_tokens + r.usage.cache_read_input_tokens
+        assert prompt == cc.usage.prompt_tokens and r.usage.output_tokens == cc.usage.completion_tokens
+        assert start.message.usage.input_tokens == prompt          # message_start counts the image's tokens too
+        # a bad image is named as the client sent it
+        with pytest.raises(anthropic.BadRequestError) as e:
+            c.messages.create(model="vl", max_tokens=4, messages=[{"role": "user", "content": [
+                {"type": "text", "text": "Describe."},
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "bm90IGEgcGljdHVyZQ=="}}]}])
+        assert e.value.body["type"] == "error" and "messages.0.content.1" in e.value.body["error"]["message"]
+
+
+def test_shutdown_mid_stream_is_an_error_event_the_sdk_raises(tiny_qwen3_tied):
+    """SIGTERM's path: the queued stream gets the `error` event at once, the running one when the grace ends;
+    both end the body properly, and the SDK raises the error it carries."""
+    import threading
+    with LiveServer(tiny_qwen3_tied, queue=2, queue_keepalive_s=0.05) as s:
+        c = anthropic.Anthropic(base_url=s.url, api_key="none", max_retries=0)
+        raised: list[BaseException] = []
+        got: list[str] = []
+
+        def run():
+            try:
+                with c.messages.stream(model="m", max_tokens=4000, thinking=OFF, messages=ASK) as st:
+                    for e in st:
+                        got.append(e.type)
+            except BaseException as e:  # noqa: BLE001 - what the SDK raised is the test's subject
+                raised.append(e)
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        s.wait_for(lambda: "content_block_delta" in got, what="the first stream to decode")
+        b, rb = open_stream_plain(s)
+        b.read_events(rb, until=lambda r: any(e.startswith(b"event: ping\n") for _, e in r.events))
+        s.stop(grace=0.3)
+        b.read_events(rb)
+        b.close()
+        t.join(30)
+    assert rb.events[-1][1] == (b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error","message":'
+                                b'"The server is shutting down; retry the request."}}\n\n')
+    assert rb._finished                                 # the chunked body ended properly
+    assert len(raised) == 1 and isinstance(raised[0], anthropic.APIStatusError), raised
+    assert raised[0].body["error"]["type"] == "overloaded_error"
+
+
+def open_stream_plain(server) -> tuple[RawClient, object]:
+    c = RawClient(server.port)
+    c.send(request_bytes("POST", "/v1/messages", {"model": "m", "max_tokens": 3, "stream": True, "thinking": OFF,
+                                                  "messages": ASK}))
+    r = c.read_head()
+    assert r.status == 200
+    return c, r
