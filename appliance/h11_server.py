@@ -97,6 +97,7 @@ class Exchange:
         self.status: int | None = None
         self.complete = False
         self.stream_error: Callable[[ApiError], bytes] | None = None  # a started body's last bytes on a cut
+        self.error_body: Callable[[ApiError], bytes] = error_body     # the path's API's error JSON (set by the app)
         self.started = time.perf_counter()
         self.request_id = request_id(self.headers.get("x-request-id"))
         self.notes: dict[str, object] = {}   # the application's additions to the access-log line
@@ -360,7 +361,7 @@ class _Connection:
             exchange.notes.setdefault("error", err.message)
         if self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             return
-        body = error_body(err)
+        body = exchange.error_body(err) if exchange is not None else error_body(err)
         headers = [(b"Content-Type", b"application/json"), (b"Content-Length", str(len(body)).encode()),
                    (b"Connection", b"close")] + list(err.headers)
         try:

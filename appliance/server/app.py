@@ -78,6 +78,8 @@ class Api:
     async def __call__(self, ex: Exchange) -> None:
         path = ex.path.rstrip("/") or "/"
         endpoint = path if path in self.routes else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
+        ex.error_body = ollama_error_body if is_ollama_path(path) else \
+            anthropic_error_body if is_anthropic_path(path) else error_body   # also the server's own 500 / 503
         try:
             handlers = self.routes.get(path)
             if handlers is None and path.startswith("/v1/models/"):
@@ -98,10 +100,8 @@ class Api:
             ex.notes["error"] = e.message
             if ex.response_started:  # an HTTP-level error after a stream began cannot be reported
                 raise
-            body = ollama_error_body(e) if is_ollama_path(path) else \
-                anthropic_error_body(e) if is_anthropic_path(path) else error_body(e)
             await ex.respond(e.status, [(b"Content-Type", JSON_CONTENT_TYPE)] + list(e.headers) + self.cors_headers(),
-                             body)
+                             ex.error_body(e))
         finally:  # what it really ended with: sent whole, client gone (499), cut by shutdown, or a failure (500)
             self.requests[(endpoint, ex.outcome)] += 1
 

@@ -357,7 +357,8 @@ def test_image_blocks_on_tiny_qwen3_vl_match_chat_completions(tmp_path_factory):
 
 def test_shutdown_mid_stream_is_an_error_event_the_sdk_raises(tiny_qwen3_tied):
     """SIGTERM's path: the queued stream gets the `error` event at once, the running one when the grace ends;
-    both end the body properly, and the SDK raises the error it carries."""
+    both end the body properly, and the SDK raises the error it carries; a queued non-stream request gets the 503
+    in Anthropic's shape."""
     import threading
     with LiveServer(tiny_qwen3_tied, queue=2, queue_keepalive_s=0.05) as s:
         c = anthropic.Anthropic(base_url=s.url, api_key="none", max_retries=0)
@@ -376,10 +377,18 @@ def test_shutdown_mid_stream_is_an_error_event_the_sdk_raises(tiny_qwen3_tied):
         s.wait_for(lambda: "content_block_delta" in got, what="the first stream to decode")
         b, rb = open_stream_plain(s)
         b.read_events(rb, until=lambda r: any(e.startswith(b"event: ping\n") for _, e in r.events))
+        q = RawClient(s.port)             # a non-stream request in line too
+        q.send(request_bytes("POST", "/v1/messages", {"model": "m", "max_tokens": 3, "messages": ASK}))
+        s.wait_for(lambda: s.worker.waiting == 2, what="both requests to wait in line")
         s.stop(grace=0.3)
         b.read_events(rb)
         b.close()
+        rq = q.read_head()
+        queued = json.loads(q.read_body(rq))
+        q.close()
         t.join(30)
+    assert rq.status == 503 and queued == {"type": "error", "error": {
+        "type": "overloaded_error", "message": "The server is shutting down; retry the request."}}
     assert rb.events[-1][1] == (b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error","message":'
                                 b'"The server is shutting down; retry the request."}}\n\n')
     assert rb._finished                                 # the chunked body ended properly
