@@ -19,6 +19,8 @@ format is tested byte-for-byte without a server. appliance/h11_server.py is the 
   router.py       OutputRouter: each token's text through both -> reasoning / content / tool calls
   assemble.py     Chat/CompletionAssembler: engine events -> SSE bytes or the non-stream body
   ollama_stream.py, responses_stream.py   the same for Ollama's NDJSON and the Responses API's typed events
+  anthropic_requests.py, anthropic_stream.py   Anthropic's Messages API: bodies -> ChatRequest; its events,
+                  message object and error shape
   prometheus.py   render_metrics (Prometheus text exposition)
 
 Every assembler has one interface, which generation.Generation drives: stream_headers; start() and finish()
