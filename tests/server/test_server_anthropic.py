@@ -403,3 +403,29 @@ def open_stream_plain(server) -> tuple[RawClient, object]:
     r = c.read_head()
     assert r.status == 200
     return c, r
+
+
+def test_random_bodies_over_the_wire_get_200_or_a_4xx_in_anthropics_shape(queue_server):
+    """The protocol fuzz's random Messages bodies over real sockets: a 200 (whose stream or body we drop, which
+    cancels it) or a 4xx in Anthropic's error shape, never a 500; the server keeps serving."""
+    import random
+
+    from tests.protocol.test_protocol_anthropic import anthropic_mutate
+    s = queue_server
+    rng = random.Random(11)
+    seen: dict[int, int] = {}
+    for _ in range(60):
+        body = anthropic_mutate(rng)
+        if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 0:
+            body["max_tokens"] = min(body["max_tokens"], 8)
+        c = RawClient(s.port, timeout=30)
+        c.send(request_bytes("POST", "/v1/messages", json.dumps(body).encode(), {"x-api-key": "secret"}))
+        r = c.read_head()
+        seen[r.status] = seen.get(r.status, 0) + 1
+        if r.status != 200:
+            out = json.loads(c.read_body(r))
+            assert 400 <= r.status < 500 and out["type"] == "error", (body, out)
+            assert set(out["error"]) == {"type", "message"} and out["error"]["type"] == "invalid_request_error"
+        c.close()
+        s.wait_for(lambda: not s.worker.busy and s.worker.waiting == 0, what="the engine to idle")
+    assert seen.get(200, 0) > 0 and sum(n for st, n in seen.items() if st >= 400) > 0
