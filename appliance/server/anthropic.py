@@ -12,9 +12,9 @@ Policies:
   stop_reason says which limit ended it); a prompt that leaves no room is the usual 400.
 - A final assistant message (prefill) is rendered as the template closes it and cut after its text
   (Preparer.render_prompt's continue_final), so the model continues it.
-- count_tokens renders and tokenizes exactly what /v1/messages would prefill (template, tools, thinking switch)
-  without queueing; a request with images is a 400 there (counting their tokens means decoding them, which only
-  a request holding a place in line does).
+- count_tokens renders and tokenizes exactly what /v1/messages would prefill (template, tools, thinking switch,
+  images) without running the model; a request with images takes a place in line (429 when full) while they are
+  decoded, as only a request holding one decodes images, and gives it back at once.
 """
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ from ..h11_server import Exchange
 from ..protocol.anthropic_requests import (AnthropicRequest, continue_final_message, parse_count_tokens_request,
                                            parse_messages_request)
 from ..protocol.anthropic_stream import AnthropicAssembler
-from ..protocol.errors import ApiError
 from ..protocol.reasoning import prompt_ends_in_reasoning
 from .config import Routes
 from .generation import run_ticket
@@ -81,19 +80,24 @@ class AnthropicApi:
         text = a.prefill_text
         return None if text is None else lambda prompt: continue_final_message(prompt, text)
 
-    def _count(self, loaded: LoadedModel, body: bytes) -> int:
+    def _count(self, loaded: LoadedModel, body: bytes):
+        """Worker thread: (the request fitted as /v1/messages fits it, its prompt ids before image expansion)."""
         prep = self.prep
         a = parse_count_tokens_request(body, images_supported=loaded.multimodal)
         req = prep.fit_tools(loaded, a.request)
-        if image_urls(req.messages):
-            raise ApiError(400, "count_tokens does not count images on this server; send the request without "
-                                "them, or read usage.input_tokens of a /v1/messages answer.", param="messages",
-                           code="unsupported_value")
         _, ids = prep.render_prompt(loaded, req, len(body), check=False, continue_final=self._prefill(a))
-        return len(ids)
+        return req, ids
 
     async def count_tokens(self, ex: Exchange) -> None:
-        loaded = self.prep.loaded()
+        prep = self.prep
+        loaded = prep.loaded()
         body = await ex.read_body()
-        n = await self.prep.prepare(lambda: self._count(loaded, body))
-        await self.prep.send_json(ex, {"input_tokens": n})
+        req, ids = await prep.prepare(lambda: self._count(loaded, body))
+        urls = image_urls(req.messages)
+        if urls:   # their tokens are known once decoded, which a request holding a place in line does
+            ticket = prep.admit()
+            try:
+                ids, _ = await prep.images(loaded, ex, urls, ids, len(body))
+            finally:
+                ticket.drop(abandoned=False)
+        await prep.send_json(ex, {"input_tokens": len(ids)})

@@ -347,6 +347,10 @@ def test_image_blocks_on_tiny_qwen3_vl_match_chat_completions(tmp_path_factory):
         prompt = r.usage.input_tokens + r.usage.cache_read_input_tokens
         assert prompt == cc.usage.prompt_tokens and r.usage.output_tokens == cc.usage.completion_tokens
         assert start.message.usage.input_tokens == prompt          # message_start counts the image's tokens too
+        assert c.messages.count_tokens(model="vl", messages=[{"role": "user", "content": content}]).input_tokens \
+            == prompt
+        assert c.messages.count_tokens(model="vl", messages=[{"role": "user", "content": "Describe."}]).input_tokens \
+            < prompt - 4
         # a bad image is named as the client sent it
         with pytest.raises(anthropic.BadRequestError) as e:
             c.messages.create(model="vl", max_tokens=4, messages=[{"role": "user", "content": [
