@@ -22,8 +22,12 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..h11_server import Exchange
-from ..protocol.anthropic_requests import (AnthropicRequest, continue_final_message, parse_count_tokens_request,
-                                           parse_messages_request)
+from ..protocol.anthropic_requests import (
+    AnthropicRequest,
+    continue_final_message,
+    parse_count_tokens_request,
+    parse_messages_request,
+)
 from ..protocol.anthropic_stream import AnthropicAssembler
 from ..protocol.reasoning import prompt_ends_in_reasoning
 from .config import Routes

@@ -11,8 +11,11 @@ import pytest
 from anthropic.types import Message, RawMessageStreamEvent
 from pydantic import TypeAdapter
 
-from appliance.protocol.anthropic_requests import (continue_final_message, parse_count_tokens_request,
-                                                   parse_messages_request)
+from appliance.protocol.anthropic_requests import (
+    continue_final_message,
+    parse_count_tokens_request,
+    parse_messages_request,
+)
 from appliance.protocol.anthropic_stream import PING, AnthropicAssembler, error_body
 from appliance.protocol.errors import ApiError, queue_full
 from appliance.protocol.stats import GenerationStats
