@@ -79,6 +79,19 @@ def tiny_qwen3_moe_mlp_only(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_5(tmp_path_factory) -> str:
+    """Qwen3.5 dense: 6 layers (linear, linear, full) x 2, the published ForConditionalGeneration layout."""
+    return tiny_models.build_qwen3_5(str(tmp_path_factory.mktemp("tiny-qwen3_5")), seed=6)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_moe(tmp_path_factory) -> str:
+    """Qwen3.5 MoE: 4 layers (linear, full) x 2, top-2 of 8 experts plus the shared expert, tied embeddings."""
+    return tiny_models.build_qwen3_5(str(tmp_path_factory.mktemp("tiny-qwen3_5-moe")), moe=True, layers=4,
+                                     interval=2, tie=True, seed=7)
+
+
+@pytest.fixture(scope="session")
 def scripted_qwen3(tmp_path_factory) -> str:
     """A tiny Qwen3 whose greedy output is scripted: thinks, then calls get_weather (thinking on), or answers
     " Sunny in Paris today." (thinking off). See tests/support/scripted_model.py."""

@@ -11,7 +11,8 @@ Policies:
   --cache-ram budget, only their used positions), and prefills the rest; the last prompt token always runs.
   The active sequence is copied into the store before a request would overwrite part of it, and so is a
   prefix the disk prompt cache is still writing from the cache (its own copy). An engine error drops the
-  active sequence.
+  active sequence. A hybrid model's cache (recurrent states, `cache.exact`) is kept only where a state exists:
+  `cache.reusable(n)` cuts the shared prefix back to such a position, and its copies carry their states.
 - A request's constraint (a grammar) masks every sampling step and ends the generation as soon as the grammar
   is complete.
 """
@@ -135,7 +136,7 @@ class Engine:
         kernels' row rearrangement, page faults) happens at load, not in the first request's latency. The
         token goes after the active sequence and is taken back: a prefix adopted from the disk stays active."""
         n = len(self.cache_tokens)
-        if n + 1 > self.cache.max_len or self.cache_images:  # no room after it, or image state truncate drops
+        if n + 1 > self.cache.max_len or self.cache_images or (n and self._exact):  # no room after it, or image state truncate drops
             self.drop_sequence()
             n = 0
         token = min(self.eos_ids) if self.eos_ids else 0
@@ -146,10 +147,26 @@ class Engine:
         """Cached sequences from elsewhere (the disk): the first becomes the active one, the rest are kept."""
         for i, e in enumerate(entries):
             if i == 0 and len(e.tokens) < self.context_length:
-                self.cache.load_prefix(e.k, e.v, len(e.tokens))
+                self._load_entry(e, len(e.tokens))
                 self.cache_tokens, self.cache_images = list(e.tokens), e.images
             else:
                 self.store.add(e, reserve=self.cache.length * self.cache.bytes_per_token)
+
+    @property
+    def _exact(self) -> bool:
+        """The cache holds recurrent states: a prefix is kept only where a state exists."""
+        return bool(getattr(self.cache, "exact", False))
+
+    def _reusable(self, n: int) -> int:
+        cache: Any = self.cache  # a recurrent_cache.HybridCache when exact
+        return cache.reusable(n) if self._exact else n
+
+    def _load_entry(self, entry: CachedSequence, n: int) -> None:
+        cache: Any = self.cache
+        if entry.states is not None:
+            cache.load_prefix(entry.k, entry.v, n, entry.states)  # the states at n and the snapshots before
+        else:
+            self.cache.load_prefix(entry.k, entry.v, n)
 
     def after_request(self) -> None:
         """Work that waits until the response is out (the worker calls it): the disk prompt cache's write."""
@@ -169,8 +186,9 @@ class Engine:
         if n == 0 or n * self.cache.bytes_per_token + reserve > self.store.budget \
                 or self.store.covers(self.cache_tokens, self.cache_images):
             return None
-        k, v = self.cache.copy_prefix(n)
-        entry = CachedSequence(list(self.cache_tokens), self.cache_images, k, v)
+        copied: Any = self.cache.copy_prefix(n)  # (k, v), and the recurrent states for a hybrid cache
+        entry = CachedSequence(list(self.cache_tokens), self.cache_images, copied[0], copied[1],
+                               copied[2] if self._exact else None)
         return entry if self.store.add(entry, reserve) else None
 
     def begin_sequence(self, ids: list[int], images: tuple[ImageKey, ...]) -> int:
@@ -182,8 +200,8 @@ class Engine:
             self.cache_images = images
             return 0
         limit = len(ids) - 1
-        n_active = min(common_prefix(self.cache_tokens, self.cache_images, ids, images), limit)
-        entry, n_saved = self.store.best(ids, images)
+        n_active = self._reusable(min(common_prefix(self.cache_tokens, self.cache_images, ids, images), limit))
+        entry, n_saved = self.store.best(ids, images, limit)
         n_saved = min(n_saved, limit)
         stashed = None
         if n_active < len(self.cache_tokens):  # positions this request would overwrite: keep a copy
@@ -191,8 +209,8 @@ class Engine:
         if self.disk is not None:  # a prefix still being written from the cache goes on from a copy
             self.disk.before_overwrite(0 if entry is not None and n_saved > n_active else n_active, stashed)
         if entry is not None and n_saved > n_active:
-            self.cache.load_prefix(entry.k, entry.v, n_saved)
-            if n_saved >= len(entry.tokens) - self.store.slack:  # (nearly) all active now; copied back when left
+            self._load_entry(entry, n_saved)
+            if n_saved >= len(entry.tokens) - (0 if entry.states is not None else self.store.slack):  # (nearly) all active now; copied back when left
                 self.store.discard(entry)
             else:
                 self.store.touch(entry)

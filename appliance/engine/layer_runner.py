@@ -76,5 +76,6 @@ def native_layers(model: Qwen3Model) -> NativeLayers | None:
 
 
 def choose_runner(model: Qwen3Model) -> None:
-    """Store on the model which code runs its layers (NativeLayers, or None for the numpy layers)."""
-    model.runner = native_layers(model)
+    """Store on the model which code runs its layers (NativeLayers, or None for the numpy layers; always None for
+    a decoder that is not a Qwen3Model, such as Qwen3.5's hybrid layers)."""
+    model.runner = native_layers(model) if isinstance(model, Qwen3Model) else None

@@ -8,6 +8,10 @@ Policies:
   positions) under a byte budget, least recently used first out. A sequence that is a prefix of another
   adds nothing and is not kept twice; one that another extends after dropping at most `slack` tokens of its
   own (a conversation's turn-1 copy, whose answer tokens turn 2 re-tokenized) is superseded by it.
+- An entry with recurrent `states` (a hybrid model's copy, recurrent_cache.py) is usable only at the positions
+  it holds states for (its end, and the snapshots its cache had: prompt ends, prefill chunk boundaries): a
+  prompt resumes from the longest of those it extends; it is never superseded by another sequence, and covers
+  only itself.
 """
 from __future__ import annotations
 
@@ -61,10 +65,18 @@ class CachedSequence:
     images: tuple[ImageKey, ...]
     k: list[np.ndarray]  # per layer (n_kv, len(tokens), hd)
     v: list[np.ndarray]
+    states: dict | None = None  # position -> recurrent states of every linear layer there (exact entries)
     nbytes: int = field(init=False)
 
     def __post_init__(self):
-        self.nbytes = sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+        self.nbytes = sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v) \
+            + sum(s.nbytes for states in (self.states or {}).values() for s in states)
+
+    def usable(self, n: int, limit: int) -> int:
+        """Positions of this entry a prompt sharing n of them can keep when at most `limit` may be kept."""
+        if self.states is None:
+            return min(n, limit)
+        return max((p for p in self.states if p <= min(n, limit)), default=0)
 
     def images_within(self, n: int) -> tuple[ImageKey, ...]:
         return tuple(k for k in self.images if k[1] <= n)
@@ -89,11 +101,13 @@ class PrefixStore:
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self._entries.values())
 
-    def best(self, tokens, images: tuple[ImageKey, ...]) -> tuple[CachedSequence | None, int]:
-        """The entry sharing the longest prefix with (tokens, images), and that length (0: none)."""
+    def best(self, tokens, images: tuple[ImageKey, ...], limit: int | None = None) -> tuple[CachedSequence | None, int]:
+        """The entry sharing the longest usable prefix with (tokens, images), at most `limit` positions, and that
+        length (0: none)."""
         best, n_best = None, 0
+        limit = len(tokens) if limit is None else limit
         for e in self._entries.values():
-            n = common_prefix(e.tokens, e.images, tokens, images)
+            n = e.usable(common_prefix(e.tokens, e.images, tokens, images), limit)
             if n > n_best:
                 best, n_best = e, n
         return best, n_best
@@ -107,7 +121,7 @@ class PrefixStore:
     def covers(self, tokens, images: tuple[ImageKey, ...]) -> bool:
         """Whether some entry already holds this whole sequence (as itself or as its prefix)."""
         return any(len(e.tokens) >= len(tokens) and common_prefix(e.tokens, e.images, tokens, images) == len(tokens)
-                   for e in self._entries.values())
+                   and (e.states is None or len(e.tokens) == len(tokens)) for e in self._entries.values())
 
     def add(self, entry: CachedSequence, reserve: int = 0) -> bool:
         """Keep `entry` (dropping entries it extends, then the least recently used until it fits with
@@ -128,6 +142,9 @@ class PrefixStore:
 
     def supersedes(self, new: CachedSequence, old: CachedSequence) -> bool:
         """Whether keeping `new` makes `old` not worth its memory (it adds at most `slack` tokens of its own)."""
+        if old.states is not None:
+            return len(new.tokens) == len(old.tokens) and common_prefix(
+                old.tokens, old.images, new.tokens, new.images) == len(old.tokens)
         return common_prefix(old.tokens, old.images, new.tokens, new.images) >= len(old.tokens) - self.slack
 
     def discard(self, entry: CachedSequence) -> None:

@@ -150,3 +150,47 @@ def fuse_experts(src_dir: str, out_dir: str) -> str:
         out[prefix + "down_proj"] = stack["down"].contiguous()
     save_file(out, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     return out_dir
+
+
+def build_qwen3_5(out_dir: str, *, moe: bool = False, hidden: int = 64, layers: int = 6, interval: int = 3,
+                  heads: int = 4, kv_heads: int = 2, head_dim: int = 16, intermediate: int = 96, tie: bool = False,
+                  seed: int = 0, init_std: float = 0.2, experts: int = 8, top_k: int = 2) -> str:
+    """A tiny random Qwen3.5 (Qwen3_5ForConditionalGeneration / Qwen3_5MoeForConditionalGeneration: the published
+    layout, `model.language_model.*` plus a one-block vision tower) saved in bf16: `layers` layers, every
+    `interval`-th full attention (gated, partial rotary), the rest Gated DeltaNet with 2 key heads serving 4 value
+    heads. moe: 8 routed experts (top-2) and a shared expert in every layer."""
+    import torch
+    import transformers
+
+    os.makedirs(out_dir, exist_ok=True)
+    torch.manual_seed(seed)
+    text = dict(vocab_size=151936, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=kv_heads, head_dim=head_dim, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+                linear_value_head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4,
+                full_attention_interval=interval, max_position_embeddings=4096, tie_word_embeddings=tie,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5,
+                                 "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+                initializer_range=init_std, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645)
+    if moe:
+        text.update(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=32,
+                    shared_expert_intermediate_size=48)
+    else:
+        text.update(intermediate_size=intermediate)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=hidden, num_position_embeddings=64)
+    kind = "Qwen3_5Moe" if moe else "Qwen3_5"
+    cfg = getattr(transformers, kind + "Config")(
+        text_config=text, vision_config=vision, image_token_id=151655, video_token_id=151656,
+        vision_start_token_id=151652, vision_end_token_id=151653, tie_word_embeddings=tie)
+    model = getattr(transformers, kind + "ForConditionalGeneration")(cfg)
+    with torch.no_grad():  # zero-centred norms at 0 (and the gated norm at 1) would hide a missing weight
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") and "visual" not in name:
+                p.copy_((1.0 if "linear_attn.norm" in name else 0.0) + 0.3 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):  # a spread-out router so top-k choices are not near-ties
+                p.copy_(torch.randn_like(p))
+    model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
+    write_tokenizer(out_dir)
+    write_generation_config(out_dir)
+    shutil.copyfile(os.path.join(FIXTURES, "qwen3", "chat_template.jinja"), os.path.join(out_dir, "chat_template.jinja"))
+    return out_dir

@@ -158,6 +158,9 @@ def finish(path: str, ckpt: Checkpoint, options: LoadOptions, phases: Phases | N
 
     if options.moe_release_pages:
         set_release_pages(ckpt.model, True)
+    recurrent = getattr(ckpt.model, "recurrent", False)  # Qwen3.5: recurrent states beside a KV cache
+    if options.max_resident_mib and recurrent:
+        raise ModelLoadError("--max-resident is not supported for this model (hybrid linear-attention layers)")
     if options.max_resident_mib:
         from ..resident import ResidentBudgetError, set_max_resident
         try:
@@ -173,7 +176,7 @@ def finish(path: str, ckpt: Checkpoint, options: LoadOptions, phases: Phases | N
 
     cfg = ckpt.config
     dtype = np.dtype(KV_DTYPES[options.kv_type])
-    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+    per_token = 2 * getattr(cfg, "kv_layers", cfg.num_hidden_layers) * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
     trained = getattr(cfg, "max_position_embeddings", None) or DEFAULT_CONTEXT
     avail = available_memory()
     fits = max(256, avail // 2 // per_token)
@@ -187,7 +190,9 @@ def finish(path: str, ckpt: Checkpoint, options: LoadOptions, phases: Phases | N
     engine = Engine(cast("CausalLM", ckpt.model), ckpt.tokenizer, ckpt.eos_ids, ctx, options.prefill_chunk, kv_dtype=dtype,
                     cache_bytes=cache_bytes, reuse_prefix=options.prefix_reuse)
     phases.mark("engine (KV and prefix caches)")
-    if options.prompt_cache_dir and options.prefix_reuse:
+    if options.prompt_cache_dir and recurrent:
+        log.warning("--prompt-cache-dir: not kept for this model (its recurrent states are not written to disk)")
+    if options.prompt_cache_dir and options.prefix_reuse and not recurrent:
         from ..prompt_disk import PromptDiskCache, model_identity
         shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
         try:

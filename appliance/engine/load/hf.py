@@ -6,6 +6,18 @@ ARCHITECTURES keyed by config.json's `model_type`; a builder gets the tensors, c
 and returns (config, model). Linear weights: BF16/F16 matrices are read in place from the mapping by the
 native kernels when the library is there (no float32 copy); otherwise, and for F32, float32 DenseWeight.
 Mixture-of-experts experts stay in the mapping either way (widened per use without the library).
+
+Qwen3.5 (`qwen3_5`, `qwen3_5_moe`, and the text-only `*_text` layouts) quirks:
+- A ...ForConditionalGeneration file nests the decoder's config under `text_config` and its tensors under
+  `model.language_model.`; a ForCausalLM file has them at the top and under `model.`; `lm_head.weight` is at the
+  top in both.
+- The decoder's RMSNorm weights (input, post-attention, q/k, final) are zero-centred (applied as 1 + w): shifted
+  here once; the linear-attention output norm is a plain weight. conv1d is stored (conv_dim, 1, K).
+- `mtp.*` tensors (the multi-token-prediction head) are not read; files with or without them load alike.
+- The vision tower (`model.visual.*`, Qwen3-VL's without DeepStack) is not loaded yet: the model is text-only
+  and image parts are refused (400).
+- MoE: experts per expert or fused (hf_experts), the router always renormalises its top-k, plus a shared
+  expert behind a sigmoid gate.
 """
 from __future__ import annotations
 
@@ -19,6 +31,8 @@ from .. import qwen3
 from ..config import Qwen3Config, UnsupportedModelError
 from ..image_processing import ImageProcessor
 from ..quant_weights import half_weight
+from ..qwen3_5 import FULL, GatedAttention, GatedDeltaNet, Qwen35Config, Qwen35Model, SharedExpertMoE
+from ..qwen3_5 import Layer as HybridLayer
 from ..qwen3_moe import ExpertLoadStats, Experts, MoEConfig, SparseMoE
 from ..qwen3_vl import Qwen3VLModel
 from ..safetensors import SafeTensors, SafetensorsError, to_float32
@@ -232,6 +246,59 @@ def build_qwen3_vl(st: SafeTensors, cfg_dict: dict, options: LoadOptions = LoadO
     return cfg, model
 
 
+def build_qwen3_5(st: SafeTensors, cfg_dict: dict, options: LoadOptions = LoadOptions()):
+    """Qwen3.5 dense or MoE (hybrid linear / full attention); its quirks are listed at the top of this module."""
+    cfg = Qwen35Config.from_dict(cfg_dict)
+    p = _prefix(st, "model.language_model.", "model.")
+    names = HFNames(p)
+
+    def norm(name: str) -> np.ndarray:
+        return (st.float32(name) + np.float32(1.0)).astype(np.float32)
+
+    moe = None
+    stats = ExpertLoadStats()
+    if cfg.num_experts:
+        moe = MoEConfig(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, norm_topk_prob=True)
+
+    def mlp(i: int):
+        if moe is None:
+            return qwen3.SwiGLU(*(dense_weight(st, names.layer(i, r)) for r in ("gate", "up", "down")))
+        sp = f"{p}layers.{i}.mlp."
+        routed = SparseMoE(i, st.float32(sp + "gate.weight"), hf_experts(st, names, i, moe.num_experts), moe, stats)
+        shared = qwen3.SwiGLU(*(dense_weight(st, f"{sp}shared_expert.{r}_proj.weight") for r in ("gate", "up", "down")))
+        return SharedExpertMoE(routed, shared, st.float32(sp + "shared_expert_gate.weight"))
+
+    layers = []
+    for i, kind in enumerate(cfg.layer_types):
+        lp = f"{p}layers.{i}."
+        if kind == FULL:
+            q, k, v, o = (dense_weight(st, names.layer(i, r)) for r in ("q", "k", "v", "o"))
+            mixer: GatedAttention | GatedDeltaNet = GatedAttention(
+                q, k, v, o, q_norm=norm(names.layer(i, "q_norm")), k_norm=norm(names.layer(i, "k_norm")))
+        else:
+            a = lp + "linear_attn."
+            conv = st.float32(a + "conv1d.weight")
+            mixer = GatedDeltaNet(
+                qkv=dense_weight(st, a + "in_proj_qkv.weight"), z=dense_weight(st, a + "in_proj_z.weight"),
+                b=dense_weight(st, a + "in_proj_b.weight"), a=dense_weight(st, a + "in_proj_a.weight"),
+                conv=np.ascontiguousarray(conv.reshape(conv.shape[0], conv.shape[-1])),  # (conv_dim, K)
+                A_log=st.float32(a + "A_log"), dt_bias=st.float32(a + "dt_bias"),
+                norm=st.float32(a + "norm.weight"), out=dense_weight(st, a + "out_proj.weight"))
+            if mixer.conv.shape != (cfg.conv_dim, cfg.linear_conv_kernel_dim):
+                raise ValueError(f"layer {i}: conv1d weight {conv.shape} does not match the config")
+        layers.append(HybridLayer(norm(names.layer(i, "attn_norm")), mixer, norm(names.layer(i, "mlp_norm")), mlp(i)))
+    embed = dense_weight(st, names.model("embed"))
+    untied = not cfg.tie_word_embeddings and names.model("lm_head") in st
+    lm_head = dense_weight(st, names.model("lm_head")) if untied else embed
+    model = Qwen35Model(cfg, embed, layers, norm(names.model("norm")), lm_head)
+    if moe is not None:
+        model.expert_stats = stats  # type: ignore[attr-defined]
+        model.moe_config = moe  # type: ignore[attr-defined]
+    return cfg, model
+
+
 # model_type -> builder(SafeTensors, config dict, LoadOptions) -> (config, model)
 ARCHITECTURES: dict[str, Callable] = {"qwen3": build_qwen3, "qwen2": build_qwen3, "llama": build_qwen3,
-                                      "qwen3_moe": build_qwen3_moe, "qwen3_vl": build_qwen3_vl}
+                                      "qwen3_moe": build_qwen3_moe, "qwen3_vl": build_qwen3_vl,
+                                      "qwen3_5": build_qwen3_5, "qwen3_5_moe": build_qwen3_5,
+                                      "qwen3_5_text": build_qwen3_5, "qwen3_5_moe_text": build_qwen3_5}

@@ -1,0 +1,253 @@
+"""Qwen3.5 (transformers' `qwen3_5` / `qwen3_5_moe`): a hybrid decoder whose layers are either Gated DeltaNet
+linear attention (a fixed-size recurrent state per layer) or gated full attention (an output gate, partial
+rotary), each followed by a SwiGLU MLP or the sparse MoE block with a shared expert.
+
+Policy: float32 activations; the cache (recurrent_cache.HybridCache) is passed in, never held. Norm weights are
+used as given: the checkpoint's zero-centred RMSNorm weights (applied as 1 + w) are shifted by the loader, the
+gated output norm's are not. Text positions are the same on all three M-RoPE axes, so the full-attention layers
+rotate the first `rotary_dim` dims of each head with plain RoPE. Prefill runs the chunked delta rule
+(`delta_chunk` tokens a chunk), decode the one-token recurrence (native/delta_numpy.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from appliance.native.delta_numpy import (
+    causal_conv1d,
+    gated_delta_chunked,
+    gated_delta_step,
+    gated_rms_norm,
+    l2_normalize,
+)
+from appliance.native.ops_numpy import grouped_attention, rms_norm
+
+from .config import UnsupportedModelError
+from .qwen3 import apply_rope, rope_cos_sin
+from .recurrent_cache import HybridCache
+
+FULL, LINEAR = "full_attention", "linear_attention"
+
+
+@dataclass(frozen=True)
+class Qwen35Config:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # dense MLP (0 for the MoE variant)
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    partial_rotary_factor: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    layer_types: tuple[str, ...]
+    linear_conv_kernel_dim: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    mrope_section: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers that keep keys and values (the full-attention ones)."""
+        return self.layer_types.count(FULL)
+
+    @property
+    def key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Qwen35Config":
+        """From config.json: a ...ForConditionalGeneration file nests the decoder's keys under text_config."""
+        outer = d
+        if "text_config" in d:
+            d = {**d["text_config"], **({"tie_word_embeddings": outer["tie_word_embeddings"]}
+                                        if "tie_word_embeddings" in outer else {})}
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+        if rope_type != "default":
+            raise UnsupportedModelError(f"rope type {rope_type!r} is not supported")
+        if d.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"activation {d.get('hidden_act')!r} is not supported")
+        n_layers = int(d["num_hidden_layers"])
+        types = d.get("layer_types")
+        if types is None:
+            interval = int(d.get("full_attention_interval", 4))
+            types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers)]
+        if len(types) != n_layers or any(t not in (FULL, LINEAR) for t in types):
+            raise UnsupportedModelError(f"layer_types {types!r} is not a list of {FULL!r}/{LINEAR!r} per layer")
+        heads, hidden = int(d["num_attention_heads"]), int(d["hidden_size"])
+        nk, nv = int(d.get("linear_num_key_heads", 16)), int(d.get("linear_num_value_heads", 32))
+        if nv % nk:
+            raise UnsupportedModelError("linear_num_value_heads is not a multiple of linear_num_key_heads")
+        moe = "num_experts" in d and int(d.get("num_experts") or 0) > 0
+        return cls(
+            model_type=str(outer.get("model_type", "qwen3_5")),
+            vocab_size=int(d["vocab_size"]), hidden_size=hidden,
+            intermediate_size=0 if moe else int(d["intermediate_size"]),
+            num_hidden_layers=n_layers, num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
+            partial_rotary_factor=float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))),
+            max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            layer_types=tuple(types),
+            linear_conv_kernel_dim=int(d.get("linear_conv_kernel_dim", 4)),
+            linear_key_head_dim=int(d.get("linear_key_head_dim", 128)),
+            linear_value_head_dim=int(d.get("linear_value_head_dim", 128)),
+            linear_num_key_heads=nk, linear_num_value_heads=nv,
+            mrope_section=tuple(int(x) for x in rope.get("mrope_section", ())),
+            num_experts=int(d["num_experts"]) if moe else 0,
+            num_experts_per_tok=int(d.get("num_experts_per_tok", 0)) if moe else 0,
+            moe_intermediate_size=int(d.get("moe_intermediate_size", 0)) if moe else 0,
+            shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size", 0)) if moe else 0,
+        )
+
+
+@dataclass
+class GatedDeltaNet:
+    """A linear-attention layer: fused q/k/v projection, z gate, b (beta) and a (decay) projections."""
+    qkv: Callable  # (T, hidden) -> (T, conv_dim)
+    z: Callable  # -> (T, value_dim)
+    b: Callable  # -> (T, nv)
+    a: Callable  # -> (T, nv)
+    conv: np.ndarray  # (conv_dim, K)
+    A_log: np.ndarray  # (nv,)
+    dt_bias: np.ndarray  # (nv,)
+    norm: np.ndarray  # (dv,) the gated RMSNorm's weight
+    out: Callable  # (T, value_dim) -> (T, hidden)
+
+
+@dataclass
+class GatedAttention:
+    """A full-attention layer: q_proj gives each head's query and its output gate side by side."""
+    q: Callable  # (T, hidden) -> (T, H*2*hd)
+    k: Callable
+    v: Callable
+    o: Callable
+    q_norm: np.ndarray  # (hd,) shifted (1 + w)
+    k_norm: np.ndarray
+
+
+class SharedExpertMoE:
+    """The routed experts (qwen3_moe.SparseMoE, top-k renormalised) plus a shared SwiGLU expert scaled by
+    sigmoid(x . shared_gate)."""
+
+    def __init__(self, routed: Callable, shared: Callable, shared_gate: np.ndarray):
+        self.routed, self.shared, self.shared_gate = routed, shared, shared_gate  # shared_gate (1, hidden)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        gate = 1.0 / (1.0 + np.exp(-(x @ self.shared_gate.T)))  # (T, 1)
+        return self.routed(x) + gate * self.shared(x)  # (T, hidden)
+
+
+@dataclass
+class Layer:
+    attn_norm: np.ndarray  # (hidden,) shifted (1 + w)
+    mixer: GatedDeltaNet | GatedAttention
+    mlp_norm: np.ndarray
+    mlp: Callable
+
+
+@dataclass
+class Qwen35Model:
+    config: Qwen35Config
+    embed: Any  # .rows(ids) -> (T, hidden)
+    layers: list[Layer]
+    norm: np.ndarray  # shifted (1 + w)
+    lm_head: Callable
+    delta_chunk: int = 64  # tokens per chunk of the chunked delta rule (prefill)
+    runner: object = None  # no native whole-decoder runner for this architecture (layer_runner)
+    recurrent = True  # the engine cannot cut this model's cache anywhere (recurrent_cache.HybridCache)
+
+    def new_cache(self, max_len: int, dtype=np.float32) -> HybridCache:
+        c = self.config
+        return HybridCache(c.layer_types, c.num_key_value_heads, c.head_dim, max_len, dtype,
+                           (c.linear_conv_kernel_dim - 1, c.conv_dim),
+                           (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim))
+
+    def forward(self, tokens: np.ndarray, cache: HybridCache, logits: str = "last") -> np.ndarray | None:
+        """Append tokens (T,) to the sequence in cache. logits: 'last' -> (vocab,), 'all' -> (T, vocab), 'none'."""
+        c = self.config
+        T = len(tokens)
+        cache.check_room(T)
+        positions = cache.length + np.arange(T)
+        cos, sin = rope_cos_sin(positions, c.rotary_dim, c.rope_theta)  # (T, rd/2)
+        h = self.embed.rows(np.asarray(tokens))  # (T, hidden)
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.attn_norm, c.rms_norm_eps)
+            if isinstance(layer.mixer, GatedDeltaNet):
+                h = h + linear_attention(c, layer.mixer, x, cache.state[i], self.delta_chunk)
+            else:
+                h = h + gated_attention(c, layer.mixer, x, cache, i, cos, sin)
+            h = h + layer.mlp(rms_norm(h, layer.mlp_norm, c.rms_norm_eps))
+        cache.commit(T)
+        h = rms_norm(h, self.norm, c.rms_norm_eps)
+        if logits == "none":
+            return None
+        if logits == "last":
+            return self.lm_head(h[-1:])[0]  # (vocab,)
+        return self.lm_head(h)  # (T, vocab)
+
+
+def linear_attention(c: Qwen35Config, m: GatedDeltaNet, x: np.ndarray, state, chunk: int) -> np.ndarray:
+    T = x.shape[0]
+    nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    mixed = causal_conv1d(m.qkv(x), state.conv, m.conv)  # (T, conv_dim)
+    q = mixed[:, :c.key_dim].reshape(T, nk, dk)
+    k = mixed[:, c.key_dim:2 * c.key_dim].reshape(T, nk, dk)
+    v = np.ascontiguousarray(mixed[:, 2 * c.key_dim:].reshape(T, nv, dv))
+    rep = nv // nk  # each key head serves `rep` consecutive value heads
+    q = np.repeat(l2_normalize(q), rep, axis=1) * np.float32(dk ** -0.5)  # (T, nv, dk)
+    k = np.repeat(l2_normalize(k), rep, axis=1)  # (T, nv, dk)
+    beta = 1.0 / (1.0 + np.exp(-m.b(x)))  # (T, nv)
+    g = -np.exp(m.A_log) * np.logaddexp(0.0, m.a(x) + m.dt_bias)  # (T, nv) log decay: -A * softplus(a + dt)
+    g, beta = g.astype(np.float32), beta.astype(np.float32)
+    if T == 1:
+        o = gated_delta_step(q, k, v, g, beta, state.ssm)  # (T, nv, dv)
+    else:
+        o = gated_delta_chunked(q, k, v, g, beta, state.ssm, chunk)
+    o = gated_rms_norm(o, m.z(x).reshape(T, nv, dv), m.norm, c.rms_norm_eps)  # (T, nv, dv)
+    return m.out(o.reshape(T, nv * dv).astype(np.float32))  # (T, hidden)
+
+
+def gated_attention(c: Qwen35Config, a: GatedAttention, x: np.ndarray, cache: HybridCache, layer: int,
+                    cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    T = x.shape[0]
+    H, KV, hd, rd = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rotary_dim
+    qg = a.q(x).reshape(T, H, 2 * hd)
+    q, gate = qg[:, :, :hd], qg[:, :, hd:].reshape(T, H * hd)  # (T, H, hd), (T, H*hd)
+    q = rms_norm(q, a.q_norm, c.rms_norm_eps).transpose(1, 0, 2)  # (H, T, hd)
+    k = rms_norm(a.k(x).reshape(T, KV, hd), a.k_norm, c.rms_norm_eps).transpose(1, 0, 2)  # (KV, T, hd)
+    v = a.v(x).reshape(T, KV, hd).transpose(1, 0, 2)  # (KV, T, hd)
+    q = np.concatenate([apply_rope(q[..., :rd], cos, sin), q[..., rd:]], axis=-1).astype(np.float32)
+    k = np.concatenate([apply_rope(k[..., :rd], cos, sin), k[..., rd:]], axis=-1).astype(np.float32)
+    keys, values = cache.update(layer, k, v)  # (KV, S, hd)
+    out = grouped_attention(np.ascontiguousarray(q), keys.astype(np.float32), values.astype(np.float32))
+    out = out.transpose(1, 0, 2).reshape(T, H * hd) * (1.0 / (1.0 + np.exp(-gate)))  # (T, H*hd)
+    return a.o(out.astype(np.float32))  # (T, hidden)

@@ -1,0 +1,146 @@
+"""The cache of a hybrid model (Qwen3.5): a KVCache for its full-attention layers and a RecurrentState for each
+linear-attention layer, passed into the model like a KVCache and never hidden in it.
+
+Policies:
+- A KV prefix can be cut anywhere; a recurrent state only exists at the positions it was computed for. The
+  cache therefore keeps snapshots of all recurrent states at the end of each multi-token forward (prefill
+  chunk boundaries and the prompt's end), at most `max_snapshots`, newest kept; `truncate(n)` works where a
+  state exists (0, the current length, or a snapshot) and raises otherwise. `reusable(n)` is the longest such
+  position <= n, which the engine asks before it keeps a prefix.
+- `copy_prefix(n)` / `load_prefix` move the keys and values of the first n positions together with the states
+  at n and the snapshots before it, so an earlier sequence kept in the prefix store resumes exactly where it
+  ended or where one of its prompts ended (`exact` entries: a store cuts them only there).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .kv_cache import KVCache
+
+
+@dataclass
+class RecurrentState:
+    """One linear-attention layer's state: the conv inputs carried over and the delta-rule state per head."""
+    conv: np.ndarray  # (K-1, conv_dim)
+    ssm: np.ndarray  # (n_v_heads, dk, dv)
+
+    def snapshot(self) -> "RecurrentState":
+        return RecurrentState(self.conv.copy(), self.ssm.copy())
+
+    def restore(self, other: "RecurrentState") -> None:
+        self.conv[...] = other.conv
+        self.ssm[...] = other.ssm
+
+    def clear(self) -> None:
+        self.conv.fill(0.0)
+        self.ssm.fill(0.0)
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.ssm.nbytes
+
+
+States = list[RecurrentState]
+
+
+class HybridCache:
+    """KV for the full-attention layers (`kv_slot[layer]`), recurrent states for the linear ones (`state[layer]`)."""
+
+    exact = True  # prefixes are whole sequences: kept only where a state exists
+
+    def __init__(self, layer_types: tuple[str, ...], n_kv_heads: int, head_dim: int, max_len: int, dtype,
+                 conv_shape: tuple[int, int], ssm_shape: tuple[int, int, int], max_snapshots: int = 4):
+        full = [i for i, t in enumerate(layer_types) if t == "full_attention"]
+        self.kv = KVCache(len(full), n_kv_heads, head_dim, max_len, dtype)
+        self.kv_slot = {layer: j for j, layer in enumerate(full)}
+        self.state = {i: RecurrentState(np.zeros(conv_shape, np.float32), np.zeros(ssm_shape, np.float32))
+                      for i, t in enumerate(layer_types) if t != "full_attention"}
+        self.max_snapshots = max_snapshots
+        self.snapshots: dict[int, States] = {}  # position -> states of every linear layer there
+
+    # ---- the KVCache surface the engine uses -------------------------------------------------------------
+    @property
+    def max_len(self) -> int:
+        return self.kv.max_len
+
+    @property
+    def dtype(self):
+        return self.kv.dtype
+
+    @property
+    def length(self) -> int:
+        return self.kv.length
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.kv.bytes_per_token
+
+    @property
+    def state_bytes(self) -> int:
+        """The recurrent states of one position (what a snapshot costs)."""
+        return sum(s.nbytes for s in self.state.values())
+
+    def check_room(self, T: int) -> None:
+        self.kv.check_room(T)
+
+    def update(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self.kv.update(self.kv_slot[layer], k, v)
+
+    def commit(self, n: int) -> None:
+        self.kv.commit(n)
+        if n > 1:  # a prefill chunk ended here: keep the states for a later prompt that stops at this point
+            self.snapshots[self.length] = self._states()
+            while len(self.snapshots) > self.max_snapshots:
+                del self.snapshots[min(self.snapshots)]
+
+    def reusable(self, n: int) -> int:
+        """The longest position <= n this cache can be cut back to."""
+        if n >= self.length:
+            return self.length
+        return max([p for p in self.snapshots if p <= n], default=0)
+
+    def truncate(self, n: int) -> None:
+        n = max(0, min(self.length, n))
+        if n == self.length:
+            return
+        if n == 0:
+            self.reset()
+            return
+        if n not in self.snapshots:
+            raise ValueError(f"no recurrent state at position {n}")
+        self._load(self.snapshots[n])
+        self.snapshots = {p: s for p, s in self.snapshots.items() if p <= n}
+        self.kv.truncate(n)
+
+    def reset(self) -> None:
+        self.kv.reset()
+        for s in self.state.values():
+            s.clear()
+        self.snapshots = {}
+
+    def copy_prefix(self, n: int) -> tuple[list[np.ndarray], list[np.ndarray], dict[int, States]]:
+        """Keys/values of the first n positions and the states at n and at every snapshot before it (n: the
+        length or a snapshot). Snapshots are never written in place, so the copy shares them."""
+        n = min(n, self.length)
+        states = {p: s for p, s in self.snapshots.items() if p < n}
+        states[n] = self._states() if n == self.length else self.snapshots[n]
+        k, v = self.kv.copy_prefix(n)
+        return k, v, states
+
+    def load_prefix(self, k: list[np.ndarray], v: list[np.ndarray], n: int,
+                    states: dict[int, States] | None = None) -> None:
+        """Make copy_prefix's first n positions this cache's sequence (n: a position `states` holds)."""
+        if states is None or n not in states:
+            raise ValueError(f"no recurrent state at position {n} in the copied prefix")
+        self.kv.load_prefix(k, v, n)
+        self._load(states[n])
+        self.snapshots = {p: s for p, s in states.items() if p <= n}
+
+    def _states(self) -> States:
+        return [s.snapshot() for s in self.state.values()]
+
+    def _load(self, states: States) -> None:
+        for dst, src in zip(self.state.values(), states):
+            dst.restore(src)
