@@ -12,7 +12,9 @@ Policies:
   The active sequence is copied into the store before a request would overwrite part of it, and so is a
   prefix the disk prompt cache is still writing from the cache (its own copy). An engine error drops the
   active sequence. A hybrid model's cache (recurrent states, `cache.exact`) is kept only where a state exists:
-  `cache.reusable(n)` cuts the shared prefix back to such a position, and its copies carry their states.
+  `cache.reusable(n)` cuts the shared prefix back to such a position, and its copies carry their states. Its
+  prefill also ends a chunk before the prompt's last turn start (the next turn repeats everything before the
+  generation prompt) and before the last token (a retry of the same prompt runs one token).
 - A request's constraint (a grammar) masks every sampling step and ends the generation as soon as the grammar
   is complete.
 """
@@ -124,6 +126,8 @@ class Engine:
         self.cache_tokens: list[int] = []  # ids of the cache's committed positions
         self.cache_images: tuple[ImageKey, ...] = ()  # image runs of that sequence
         self.reuse_prefix = reuse_prefix
+        id_of = getattr(tokenizer, "id_of", None)
+        self.turn_start = id_of("<|im_start|>") if id_of is not None else None  # chat templates' turn opener
         self.store = PrefixStore(cache_bytes)  # copies of earlier sequences (the active one counts too)
         self.disk: PromptDiskCache | None = None  # with --prompt-cache-dir
         self._disk_pending: tuple[list[int], tuple[ImageKey, ...]] | None = None
@@ -210,7 +214,8 @@ class Engine:
             self.disk.before_overwrite(0 if entry is not None and n_saved > n_active else n_active, stashed)
         if entry is not None and n_saved > n_active:
             self._load_entry(entry, n_saved)
-            if n_saved >= len(entry.tokens) - (0 if entry.states is not None else self.store.slack):  # (nearly) all active now; copied back when left
+            slack = 0 if entry.states is not None else self.store.slack
+            if n_saved >= len(entry.tokens) - slack:  # (nearly) all active now; copied back when left
                 self.store.discard(entry)
             else:
                 self.store.touch(entry)
@@ -227,6 +232,15 @@ class Engine:
         self.cache_tokens.extend(tokens)
         return out
 
+    def _state_points(self, ids: list[int]) -> set[int]:
+        """Where a recurrent cache should keep a state inside this prompt remainder (relative positions): before
+        its last token (a retry of the same prompt) and before its last turn start (`<|im_start|>`: the
+        generation prompt, which the next turn's rendering of the answer does not repeat)."""
+        points = {len(ids) - 1}
+        if self.turn_start is not None and self.turn_start in ids:
+            points.add(len(ids) - 1 - ids[::-1].index(self.turn_start))
+        return {p for p in points if 0 < p < len(ids)}
+
     def check_fits(self, prompt_len: int) -> None:
         if prompt_len == 0:
             raise ContextLengthError("the prompt is empty")
@@ -238,12 +252,19 @@ class Engine:
         """Run the prompt through the model in chunks; return the last position's logits, or None if
         cancelled between chunks."""
         logits = None
-        for start in range(0, len(ids), self.prefill_chunk):
+        cuts = set(range(self.prefill_chunk, len(ids), self.prefill_chunk))
+        if self._exact:
+            cuts |= self._state_points(ids)
+        bounds = [0, *sorted(cuts), len(ids)]
+        chunks = [list(ids[a:b]) for a, b in zip(bounds, bounds[1:])]
+        for i, chunk in enumerate(chunks):
             if should_cancel():
                 return None
-            chunk = list(ids[start:start + self.prefill_chunk])
-            last = start + len(chunk) >= len(ids)
+            last = i == len(chunks) - 1
             logits = self._forward(chunk, "last" if last else "none")
+            if self._exact and not last:
+                cache: Any = self.cache
+                cache.snapshot()  # a later prompt (or this one, cancelled) can resume here
             self.prefill_chunks_run += 1
             timings.prefill_chunks += 1
         return logits

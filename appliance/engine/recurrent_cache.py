@@ -3,8 +3,8 @@ linear-attention layer, passed into the model like a KVCache and never hidden in
 
 Policies:
 - A KV prefix can be cut anywhere; a recurrent state only exists at the positions it was computed for. The
-  cache therefore keeps snapshots of all recurrent states at the end of each multi-token forward (prefill
-  chunk boundaries and the prompt's end), at most `max_snapshots`, newest kept; `truncate(n)` works where a
+  cache therefore keeps snapshots of all recurrent states where its owner asks (`snapshot()`: the engine's
+  prefill chunk boundaries), at most `max_snapshots`, newest kept; `truncate(n)` works where a
   state exists (0, the current length, or a snapshot) and raises otherwise. `reusable(n)` is the longest such
   position <= n, which the engine asks before it keeps a prefix.
 - `copy_prefix(n)` / `load_prefix` move the keys and values of the first n positions together with the states
@@ -90,10 +90,12 @@ class HybridCache:
 
     def commit(self, n: int) -> None:
         self.kv.commit(n)
-        if n > 1:  # a prefill chunk ended here: keep the states for a later prompt that stops at this point
-            self.snapshots[self.length] = self._states()
-            while len(self.snapshots) > self.max_snapshots:
-                del self.snapshots[min(self.snapshots)]
+
+    def snapshot(self) -> None:
+        """Keep the states at the current length (a later prompt that extends the sequence to here resumes)."""
+        self.snapshots[self.length] = self._states()
+        while len(self.snapshots) > self.max_snapshots:
+            del self.snapshots[min(self.snapshots)]
 
     def reusable(self, n: int) -> int:
         """The longest position <= n this cache can be cut back to."""

@@ -162,9 +162,11 @@ def test_mtp_tensors_are_ignored(tiny_qwen3_5, tmp_path):
 def test_cache_cuts_only_where_a_state_exists(tiny_qwen3_5):
     m = ours(tiny_qwen3_5)
     cache = m.new_cache(256)
-    m.forward(np.array(LONG[:40]), cache, "none")  # a snapshot at 40
+    m.forward(np.array(LONG[:40]), cache, "none")
+    cache.snapshot()  # at 40
     m.forward(np.array(LONG[40:41]), cache, "none")  # none at 41
-    m.forward(np.array(LONG[41:60]), cache, "none")  # one at 60
+    m.forward(np.array(LONG[41:60]), cache, "none")
+    cache.snapshot()  # at 60
     assert cache.reusable(59) == 40 and cache.reusable(60) == 60 and cache.reusable(10) == 0
     with pytest.raises(ValueError):
         cache.truncate(41)
@@ -213,3 +215,5 @@ def test_prefix_reuse_gives_the_tokens_of_no_reuse(tiny_qwen3_5):
     again = render(messages + [{"role": "user", "content": "Thanks."}])
     got = greedy(e, again)
     assert got.token_ids == greedy(ref, again).token_ids and got.timings.cache_n > cached[2]
+    retry = greedy(e, again)  # the same prompt again: the state before its last token was kept
+    assert retry.token_ids == got.token_ids and retry.timings.cache_n == len(again) - 1

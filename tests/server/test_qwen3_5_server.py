@@ -1,0 +1,131 @@
+"""Qwen3.5 (hybrid Gated DeltaNet) through the CLI server with the official openai client: greedy answers equal
+transformers' on the same rendered prompt, streamed and not; a follow-up turn reuses the recurrent-state
+snapshot and still answers as transformers does, also after a cancelled stream; structured output, the Responses API and Ollama's chat work;
+an image part is refused with 400 (the vision tower is not loaded)."""
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import urllib.request
+
+import openai
+import pytest
+import torch
+
+from appliance.engine.chat_template import ChatTemplate
+from appliance.engine.tokenizer import Tokenizer
+from tests.support.live_server import start_cli_server
+from tests.support.tiny_vl import image_bytes
+
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": True}
+
+
+@contextlib.contextmanager
+def cli(model: str, *args: str):
+    proc, port = start_cli_server(model, *args)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stderr.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3_5):
+    with cli(tiny_qwen3_5, "--ctx", "512", "--prefill-chunk", "16") as url:
+        yield url
+
+
+@pytest.fixture()
+def client(server):
+    with openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_qwen3_5):
+    """transformers' greedy continuation (text) of our template's rendering of `messages`."""
+    from transformers import AutoModelForImageTextToText
+    model = AutoModelForImageTextToText.from_pretrained(tiny_qwen3_5, dtype=torch.float32).eval()
+    tok, template = Tokenizer.from_dir(tiny_qwen3_5), ChatTemplate.from_dir(tiny_qwen3_5)
+
+    def answer(messages, n):
+        ids = tok.encode(template.render(messages, add_generation_prompt=True, enable_thinking=False))
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return tok.decode(out[0, len(ids):].tolist())
+    return answer
+
+
+def test_greedy_answers_and_a_follow_up_turn(client, reference):
+    messages = [{"role": "system", "content": "You are a terse assistant."},
+                {"role": "user", "content": "Name a river in France."}]
+    first = client.chat.completions.create(model="m", messages=messages, max_tokens=10, temperature=0,
+                                           extra_body=NO_THINK)
+    assert first.choices[0].message.content == reference(messages, 10)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And a mountain?"}]
+    chunks = list(client.chat.completions.create(model="m", messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body=NO_THINK))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reference(messages, 10)
+    cached = chunks[-1].usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens - 10 < cached < chunks[-1].usage.prompt_tokens  # resumed from a snapshot
+    again = client.chat.completions.create(model="m", messages=messages, max_tokens=10, temperature=0,
+                                           extra_body=NO_THINK)
+    assert again.choices[0].message.content == text
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+
+
+def test_a_cancelled_stream_leaves_the_next_answer_right(client, reference):
+    messages = [{"role": "user", "content": "Count to one hundred."}]
+    stream = client.chat.completions.create(model="m", messages=messages, max_tokens=400, temperature=0,
+                                            stream=True, extra_body=NO_THINK)
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()  # the client goes away mid-decode: the engine stops within a step
+    answer = client.chat.completions.create(model="m", messages=messages, max_tokens=10, temperature=0,
+                                            extra_body=NO_THINK)
+    assert answer.choices[0].message.content == reference(messages, 10)
+
+
+def test_structured_output(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+              "additionalProperties": False}
+    resp = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "A city as JSON."}], max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema, "strict": True}},
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    value = json.loads(resp.choices[0].message.content)
+    assert set(value) == {"city"} and isinstance(value["city"], str)
+
+
+def test_responses_api_and_ollama_chat(client, server):
+    """The same conversation through the Responses API and Ollama's /api/chat answers as chat completions does
+    (Responses renders the template without the thinking switch, Ollama's think=false sets it off)."""
+    messages = [{"role": "user", "content": "Say hello."}]
+
+    def chat(**kw):
+        c = client.chat.completions.create(model="m", messages=messages, max_tokens=16, temperature=0, **kw)
+        return c.choices[0].message.content
+
+    resp = client.responses.create(model="m", input=messages, max_output_tokens=16, temperature=0)
+    assert resp.output_text and resp.output_text == chat()
+    body = json.dumps({"model": "m", "messages": messages, "stream": False, "think": False,
+                       "options": {"temperature": 0, "num_predict": 16}}).encode()
+    with urllib.request.urlopen(urllib.request.Request(server + "/api/chat", body), timeout=120) as r:
+        reply = json.loads(r.read())
+    assert reply["done"] and reply["message"]["content"] == chat(
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+
+
+def test_image_parts_are_refused(client):
+    url = "data:image/png;base64," + base64.b64encode(image_bytes(64, 64, "PNG", seed=1)).decode()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": url}}]}])
+    assert e.value.status_code == 400 and "image" in str(e.value).lower()
