@@ -6,7 +6,8 @@ Policy: float32 activations; the cache (recurrent_cache.HybridCache) is passed i
 used as given: the checkpoint's zero-centred RMSNorm weights (applied as 1 + w) are shifted by the loader, the
 gated output norm's are not. Text positions are the same on all three M-RoPE axes, so the full-attention layers
 rotate the first `rotary_dim` dims of each head with plain RoPE. Prefill runs the chunked delta rule
-(`delta_chunk` tokens a chunk), decode the one-token recurrence (native/delta_numpy.py).
+(`delta_chunk` tokens a chunk), decode the one-token recurrence: native/delta_numpy.py, or its C twins
+(src/delta.c) when the library is there (`delta`, chosen at load).
 """
 from __future__ import annotations
 
@@ -29,6 +30,17 @@ from .qwen3 import apply_rope, rope_cos_sin
 from .recurrent_cache import HybridCache
 
 FULL, LINEAR = "full_attention", "linear_attention"
+
+
+@dataclass(frozen=True)
+class DeltaOps:
+    """The delta rule's code for decode and for prefill (native/delta_numpy.py, or C: chosen at load by
+    layer_runner)."""
+    step: Callable  # (q, k, v, g, beta, state) -> out, the token loop (decode)
+    prefill: Callable  # (q, k, v, g, beta, state, chunk) -> out
+
+
+NUMPY_DELTA = DeltaOps(gated_delta_step, gated_delta_chunked)
 
 
 @dataclass(frozen=True)
@@ -183,6 +195,7 @@ class Qwen35Model:
     lm_head: Callable
     delta_chunk: int = 64  # tokens per chunk of the chunked delta rule (prefill)
     runner: object = None  # no native whole-decoder runner for this architecture (layer_runner)
+    delta: DeltaOps = NUMPY_DELTA  # the delta rule's code, chosen at load (layer_runner.choose_runner)
     recurrent = True  # the engine cannot cut this model's cache anywhere (recurrent_cache.HybridCache)
 
     def new_cache(self, max_len: int, dtype=np.float32) -> HybridCache:
@@ -202,7 +215,7 @@ class Qwen35Model:
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.attn_norm, c.rms_norm_eps)
             if isinstance(layer.mixer, GatedDeltaNet):
-                h = h + linear_attention(c, layer.mixer, x, cache.state[i], self.delta_chunk)
+                h = h + linear_attention(c, layer.mixer, x, cache.state[i], self.delta, self.delta_chunk)
             else:
                 h = h + gated_attention(c, layer.mixer, x, cache, i, cos, sin)
             h = h + layer.mlp(rms_norm(h, layer.mlp_norm, c.rms_norm_eps))
@@ -215,7 +228,8 @@ class Qwen35Model:
         return self.lm_head(h)  # (T, vocab)
 
 
-def linear_attention(c: Qwen35Config, m: GatedDeltaNet, x: np.ndarray, state, chunk: int) -> np.ndarray:
+def linear_attention(c: Qwen35Config, m: GatedDeltaNet, x: np.ndarray, state, ops: DeltaOps,
+                     chunk: int) -> np.ndarray:
     T = x.shape[0]
     nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
     mixed = causal_conv1d(m.qkv(x), state.conv, m.conv)  # (T, conv_dim)
@@ -229,9 +243,9 @@ def linear_attention(c: Qwen35Config, m: GatedDeltaNet, x: np.ndarray, state, ch
     g = -np.exp(m.A_log) * np.logaddexp(0.0, m.a(x) + m.dt_bias)  # (T, nv) log decay: -A * softplus(a + dt)
     g, beta = g.astype(np.float32), beta.astype(np.float32)
     if T == 1:
-        o = gated_delta_step(q, k, v, g, beta, state.ssm)  # (T, nv, dv)
+        o = ops.step(q, k, v, g, beta, state.ssm)  # (T, nv, dv)
     else:
-        o = gated_delta_chunked(q, k, v, g, beta, state.ssm, chunk)
+        o = ops.prefill(q, k, v, g, beta, state.ssm, chunk)
     o = gated_rms_norm(o, m.z(x).reshape(T, nv, dv), m.norm, c.rms_norm_eps)  # (T, nv, dv)
     return m.out(o.reshape(T, nv * dv).astype(np.float32))  # (T, hidden)
 

@@ -4,7 +4,8 @@ with its carried state, and the gated delta rule, token by token (decode) and ch
 Policy: float32 throughout; the recurrent state S of a value head is (dk, dv) and is updated in place. The
 chunked form is the same arithmetic regrouped: per chunk of C tokens and per head one unit-lower-triangular
 (C x C) solve gives the chunk's state corrections, then one state update; `tests/engine/test_delta_rule.py`
-holds it equal to the token loop. These are the twins the C kernels are to match (same names and arguments).
+holds it equal to the token loop. gated_delta_step and gated_delta_chunked are the twins of src/delta.c (same
+names and arguments in kernels.py; tests/native/test_native_delta.py fuzzes them against each other).
 
 Per head, with q, k L2-normalised, q scaled by dk^-1/2, decay a_t = exp(g_t) and learning rate beta_t:
     S_t = a_t S_{t-1} + k_t d_t^T,   d_t = beta_t (v_t - a_t S_{t-1}^T k_t),   o_t = S_t^T q_t.

@@ -44,6 +44,8 @@ _SIGNATURES = {
     "kq_rope": (None, [_P, _I64, _I64, _I64, _P, _P]),
     "kq_swiglu": (None, [_P, _P, _I64, _P]),
     "kq_attention": (_I, [_P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I, _P]),
+    "kq_gated_delta_step": (_I, [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P]),
+    "kq_gated_delta_chunked": (_I, [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _I64, _P]),
     "kq_layer_norm": (None, [_P, _P, _P, _I64, _I64, ctypes.c_float, _P]),
     "kq_gelu_tanh": (None, [_P, _I64, _P]),
     "kq_self_attention": (_I, [_P, _I64, _I64, _I64, _P, _P, _P]),
@@ -276,6 +278,45 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, S: int) -
     out = np.empty_like(q)
     _check(_lib.kq_attention(_ptr(q), _ptr(k_cache), _ptr(v_cache), k_cache.shape[1], T, S, H, k_cache.shape[0],
                              hd, int(kv == np.float16), _ptr(out)), "attention")
+    return out
+
+
+def _delta_args(q, k, v, g, beta, state):
+    """The delta rule's operands checked: q, k (T, nh, dk), v (T, nh, dv), g, beta (T, nh) as float32 copies or
+    views; state (nh, dk, dv) must already be a C-contiguous float32 array (it is updated in place)."""
+    q, k, v = (_f32(a, 3) for a in (q, k, v))
+    g, beta = _f32(g), _f32(beta)
+    T, nh, dk = q.shape
+    dv = v.shape[2]
+    if k.shape != q.shape or v.shape[:2] != (T, nh) or g.shape != (T, nh) or beta.shape != (T, nh):
+        raise ValueError(f"delta rule operands disagree: q {q.shape}, k {k.shape}, v {v.shape}, g {g.shape}, "
+                         f"beta {beta.shape}")
+    if not (isinstance(state, np.ndarray) and state.dtype == np.float32 and state.flags.c_contiguous
+            and state.flags.writeable and state.shape == (nh, dk, dv)):
+        raise ValueError(f"delta rule state must be a writable C-contiguous float32 ({nh}, {dk}, {dv}) array")
+    return q, k, v, g, beta, (T, nh, dk, dv)
+
+
+def gated_delta_step(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
+                     state: np.ndarray) -> np.ndarray:
+    """delta_numpy.gated_delta_step in C: the token loop; state updated in place -> outputs (T, nh, dv)."""
+    q, k, v, g, beta, (T, nh, dk, dv) = _delta_args(q, k, v, g, beta, state)
+    out = np.empty_like(v)
+    _check(_lib.kq_gated_delta_step(_ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), T, nh, dk, dv, _ptr(state),
+                                    _ptr(out)), "gated_delta_step")
+    return out
+
+
+def gated_delta_chunked(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
+                        state: np.ndarray, chunk: int = 64) -> np.ndarray:
+    """delta_numpy.gated_delta_chunked in C: per chunk one triangular solve per head, then one state update."""
+    q, k, v, g, beta, (T, nh, dk, dv) = _delta_args(q, k, v, g, beta, state)
+    chunk = operator.index(chunk)
+    if chunk < 1:
+        raise ValueError("gated_delta_chunked needs a chunk size of at least 1")
+    out = np.empty_like(v)
+    _check(_lib.kq_gated_delta_chunked(_ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), T, nh, dk, dv, _ptr(state),
+                                       chunk, _ptr(out)), "gated_delta_chunked")
     return out
 
 

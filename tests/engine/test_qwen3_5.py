@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from appliance.engine.generate import Engine, FinishEvent, GenerationRequest
+from appliance.engine.layer_runner import native_delta
 from appliance.engine.load import load_model
 from appliance.engine.load.hf import build_qwen3_5
-from appliance.engine.qwen3_5 import GatedDeltaNet, SharedExpertMoE
+from appliance.engine.qwen3_5 import NUMPY_DELTA, GatedDeltaNet, SharedExpertMoE
 from appliance.engine.safetensors import SafeTensors
 from appliance.engine.sampling import SamplingParams
 from appliance.native.delta_numpy import (
@@ -104,13 +105,21 @@ def test_layers_follow_config(tiny_qwen3_5, tiny_qwen3_5_moe):
     assert dense.new_cache(32).kv.k[0].shape[0] == 2 and len(dense.new_cache(32).kv.k) == 2  # KV: full layers only
 
 
-def test_logprobs_match_transformers(checkpoint):
+@pytest.mark.parametrize("delta", ["numpy", "native"])
+def test_logprobs_match_transformers(checkpoint, delta):
     m, ref = ours(checkpoint), reference(checkpoint)
+    if delta == "native":
+        ops = native_delta()
+        assert ops is not None, "the native library is not built"
+        m.delta = ops
+    else:
+        assert m.delta is NUMPY_DELTA
     with torch.no_grad():
         want = ref(torch.tensor([LONG])).logits[0].numpy()
     got = m.forward(np.array(LONG), m.new_cache(256), "all")
     diff = float(np.max(np.abs(log_softmax(got) - log_softmax(want))))
-    print(f"{checkpoint.rsplit('/', 1)[-1]}: max |logprob diff| {diff:.2e} over {len(LONG)} positions")
+    print(f"{checkpoint.rsplit('/', 1)[-1]} ({delta} delta rule): max |logprob diff| {diff:.2e} over {len(LONG)} "
+          "positions")
     assert diff <= LOGPROB_BOUND
     assert np.array_equal(got.argmax(-1), want.argmax(-1))
 

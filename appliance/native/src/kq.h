@@ -77,6 +77,12 @@ void kq_swiglu(const float *g, const float *u, int64_t n, float *out);
 int kq_attention(const float *q, const void *kc, const void *vc, int64_t max_len, int64_t T, int64_t S,
                  int64_t H, int64_t KV, int64_t hd, int kv_f16, float *out);
 
+/* Qwen3.5's gated delta rule (delta.c): q, k (T, nh, dk), v, out (T, nh, dv), g, beta (T, nh), state (nh, dk, dv) */
+int kq_gated_delta_step(const float *q, const float *k, const float *v, const float *g, const float *beta,
+                        int64_t T, int64_t nh, int64_t dk, int64_t dv, float *state, float *out);
+int kq_gated_delta_chunked(const float *q, const float *k, const float *v, const float *g, const float *beta,
+                           int64_t T, int64_t nh, int64_t dk, int64_t dv, float *state, int64_t chunk, float *out);
+
 /* vision tower operations (vision.c) */
 void kq_layer_norm(const float *x, const float *w, const float *b, int64_t T, int64_t n, float eps, float *out);
 void kq_gelu_tanh(const float *x, int64_t n, float *out);
