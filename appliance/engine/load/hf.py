@@ -31,8 +31,15 @@ from .. import qwen3
 from ..config import Qwen3Config, UnsupportedModelError
 from ..image_processing import ImageProcessor
 from ..quant_weights import half_weight
-from ..qwen3_5 import FULL, GatedAttention, GatedDeltaNet, Qwen35Config, Qwen35Model, SharedExpertMoE
-from ..qwen3_5 import Layer as HybridLayer
+from ..qwen3_5 import (
+    FULL,
+    GatedAttention,
+    GatedDeltaNet,
+    Layer as HybridLayer,
+    Qwen35Config,
+    Qwen35Model,
+    SharedExpertMoE,
+)
 from ..qwen3_moe import ExpertLoadStats, Experts, MoEConfig, SparseMoE
 from ..qwen3_vl import Qwen3VLModel
 from ..safetensors import SafeTensors, SafetensorsError, to_float32
