@@ -42,8 +42,8 @@ class CliError(Exception):
 
 
 def load_failure_status(err: BaseException | None) -> int:
-    from .engine.load import UnsupportedTensorType
-    return 2 if isinstance(err, UnsupportedTensorType) else 1
+    from .engine.load import UnsafeTemplate, UnsupportedTensorType
+    return 2 if isinstance(err, (UnsupportedTensorType, UnsafeTemplate)) else 1
 
 
 class VersionAction(argparse.Action):
