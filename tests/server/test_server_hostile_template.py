@@ -9,8 +9,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from tests.protocol.test_template_sandbox import CVE_2024_34359, MARK
 from tests.support.live_server import LiveServer, RawClient, chat_body, request_bytes
 
