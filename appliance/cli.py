@@ -42,8 +42,8 @@ class CliError(Exception):
 
 
 def load_failure_status(err: BaseException | None) -> int:
-    from .engine.load import UnsupportedTensorType
-    return 2 if isinstance(err, UnsupportedTensorType) else 1
+    from .engine.load import UnsafeTemplate, UnsupportedTensorType
+    return 2 if isinstance(err, (UnsupportedTensorType, UnsafeTemplate)) else 1
 
 
 class VersionAction(argparse.Action):
@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     keys = s.add_mutually_exclusive_group()
     keys.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY'")
     keys.add_argument("--api-key-file", metavar="FILE", help="read the key(s) from FILE, one per line")
+    s.add_argument("--cors-origins", default="", metavar="LIST",
+                   help="comma list of scheme://host[:port|:*] origins whose pages may call the API, beyond the "
+                        "appliance's own page and loopback pages; '*' allows every origin")
+    s.add_argument("--allowed-hosts", default="", metavar="LIST",
+                   help="comma list of Host names the server answers to, beyond its addresses and localhost "
+                        "(a reverse proxy's public name; DNS rebinding defence); '*' turns the check off")
     s.add_argument("--queue", type=int, default=4, metavar="N", help="requests that may wait (default 4)")
     s.add_argument("--ctx", type=int, metavar="N",
                    help="context length in tokens (default: the model's trained context, capped so a full KV cache "
@@ -126,6 +132,12 @@ def _positive(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--queue must be at least 0")
     if not 0 <= args.port <= 65535:
         p.error("--port must be between 0 and 65535")
+    from .protocol.browser_policy import parse_host_list, parse_origin_rules
+    try:
+        parse_origin_rules(args.cors_origins)
+        parse_host_list(args.allowed_hosts)
+    except ValueError as e:
+        p.error(str(e))
 
 
 def _check_model_path(path: str) -> None:
@@ -252,7 +264,8 @@ async def serve(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
     worker = Worker(load=lambda: _load(args, serving=True), queue_limit=args.queue)
     api = Api(worker, ApiConfig(model_name=model_name(args.model), api_keys=keys,
                                 extension_events=args.extension_events, image_dirs=tuple(args.image_dir),
-                                web=not args.no_web))
+                                web=not args.no_web, cors_origins=args.cors_origins,
+                                allowed_hosts=args.allowed_hosts, listen_host=args.host))
     server = HttpServer(ServerConfig(host=args.host, port=args.port, grace_period=args.grace), api)
     try:
         await server.listen()

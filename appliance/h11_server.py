@@ -17,7 +17,8 @@ Policies:
 - Content-Length together with Transfer-Encoding (RFC 9112 6.3, a request-smuggling vector) is a 400 and the
   connection closes.
 - The application is one coroutine `app(exchange)`; it sees an Exchange (request head, read_body, respond,
-  start_stream/send/end_stream), never a socket.
+  start_stream/send/end_stream), never a socket. Headers it puts in `Exchange.extra_headers` (CORS) go on
+  whatever response the request gets, error responses of this layer included.
 - A response is marked complete as soon as its last byte is written, before any cancel (a client that read it
   and closed at once) can interrupt the handler: Exchange.outcome is the status it really ended with.
 - One access-log line per request (protocol/access_log.py) when it has ended, whatever way: the application
@@ -101,6 +102,7 @@ class Exchange:
         self.started = time.perf_counter()
         self.request_id = request_id(self.headers.get("x-request-id"))
         self.notes: dict[str, object] = {}   # the application's additions to the access-log line
+        self.extra_headers: list[tuple[bytes, bytes]] = []   # the application's headers for every response (CORS)
         self._bytes_before = conn.bytes_out
 
     def header(self, name: str, default: str | None = None) -> str | None:
@@ -177,6 +179,7 @@ class Exchange:
         self.response_started = True
         self.status = status
         self._conn._skip_buffered_body()
+        headers = list(headers) + self.extra_headers
         if self._conn.h11.their_state is h11.SEND_BODY:  # the body stays unread: this connection ends here
             headers = list(headers) + [(b"Connection", b"close")]
         await self._conn.send(h11.Response(status_code=status, headers=headers, reason=reason or _reason(status)),
@@ -364,6 +367,8 @@ class _Connection:
         body = exchange.error_body(err) if exchange is not None else error_body(err)
         headers = [(b"Content-Type", b"application/json"), (b"Content-Length", str(len(body)).encode()),
                    (b"Connection", b"close")] + list(err.headers)
+        if exchange is not None:
+            headers += exchange.extra_headers
         try:
             if exchange is not None:
                 exchange.status = err.status

@@ -44,7 +44,7 @@ def free_port() -> int:
 def healthy(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
-            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
             return s.recv(64).startswith(b"HTTP/1.1 200")
     except OSError:
         return False

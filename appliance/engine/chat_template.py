@@ -3,7 +3,10 @@
 Policies:
 - Templates are untrusted code from a model download: they run in jinja2's ImmutableSandboxedEnvironment
   with exactly the helpers transformers gives them (trim_blocks, lstrip_blocks, loopcontrols, tojson without
-  ASCII escaping, raise_exception, strftime_now, a namespace that refuses underscore names) and nothing more.
+  ASCII escaping, raise_exception, strftime_now, a namespace that refuses underscore names) and nothing more,
+  under a time, step and size budget per render (template_sandbox.py). A template that breaks the sandbox or
+  its budget on a plain conversation is refused at load (`vet`, UnsafeTemplateError: one line, exit 2); one
+  that does so only on some request's messages fails that request (400).
 - The data a template sees is prepared as transformers' apply_chat_template prepares it: keys whose value is
   None are dropped from messages, only plain JSON data is passed, `thinking`/`reasoning` are aliased to
   `reasoning_content`, and the tokenizer's named special tokens (bos_token, eos_token, ...) are variables.
@@ -30,8 +33,8 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from appliance.engine.template_sandbox import BudgetedSandbox, TemplateRefused, run_budgeted
 from appliance.engine.tokenizer import NAMED_SPECIAL_TOKENS, _token_content
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -40,6 +43,10 @@ _PROBE_TOOL = "kestrel_probe_tool"
 
 class ChatTemplateError(ValueError):
     """The chat template could not be loaded or rendered for these messages."""
+
+
+class UnsafeTemplateError(ChatTemplateError):
+    """The chat template broke the sandbox or its budget (template_sandbox.py)."""
 
 
 class _TemplateNamespace(jinja2.utils.Namespace):
@@ -98,9 +105,9 @@ def _strftime_now(fmt):
     return datetime.now().strftime(fmt)
 
 
-def make_environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
+def make_environment() -> BudgetedSandbox:
+    env = BudgetedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.set_filter("tojson", _tojson)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
@@ -156,9 +163,14 @@ class ChatTemplate:
         self._compiled = {}
         for name, source in templates.items():
             try:
-                self._compiled[name] = env.from_string(source)
+                self._compiled[name] = env.compile_source(source)
+            except TemplateRefused as e:
+                raise UnsafeTemplateError(f"chat template {name!r} refused: {e}") from None
             except jinja2.TemplateSyntaxError as e:
                 raise ChatTemplateError(f"chat template {name!r} does not compile: {e} (line {e.lineno})") from e
+            except (RecursionError, SyntaxError, MemoryError, OverflowError) as e:  # nesting past the compiler's
+                raise UnsafeTemplateError(f"chat template {name!r} does not compile: nested too deeply "
+                                          f"({type(e).__name__})") from None
         self.sources: dict[str, str] = templates
         self.special_tokens: dict[str, str] = {k: v for k, v in (special_tokens or {}).items() if v is not None}
 
@@ -189,13 +201,27 @@ class ChatTemplate:
             return "default"
         raise ChatTemplateError(f"several chat templates and none named 'default': {sorted(self._compiled)}")
 
+    def vet(self) -> None:
+        """At load: render a plain conversation (and the tool probe) once; UnsafeTemplateError when that breaks
+        the sandbox or the budget. Ordinary template errors (a raise_exception on these messages) do not count."""
+        user = [{"role": "user", "content": "Hi"}]
+        chat = [{"role": "system", "content": "Be brief."}, *user, {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": "Bye"}]
+        for messages, tools in ((user, None), (chat, None), (user, [_probe_tool()])):
+            try:
+                self.render(messages, tools=tools, add_generation_prompt=True)
+            except UnsafeTemplateError:
+                raise
+            except ChatTemplateError:
+                pass
+        self.__dict__.pop("renders_tools", None)
+        self.renders_tools  # noqa: B018  (probed now, not by the first request)
+
     @functools.cached_property
     def renders_tools(self) -> bool:
         """The template puts a request's tools into the prompt (probed once with a made-up tool)."""
-        probe = {"type": "function", "function": {"name": _PROBE_TOOL, "description": "Probe.",
-                                                  "parameters": {"type": "object", "properties": {}}}}
         try:
-            text = self.render([{"role": "user", "content": "Hi"}], tools=[probe], add_generation_prompt=True)
+            text = self.render([{"role": "user", "content": "Hi"}], tools=[_probe_tool()], add_generation_prompt=True)
         except ChatTemplateError:
             return False
         return _PROBE_TOOL in text
@@ -210,15 +236,26 @@ class ChatTemplate:
         variables = {**self.special_tokens, **plain_data(kwargs)}
         variables.setdefault("documents", None)
         try:
-            return self._compiled[self._pick(tools)].render(
-                messages=chat, tools=plain_data(tools), add_generation_prompt=add_generation_prompt, **variables)
+            return run_budgeted(self._compiled[self._pick(tools)].generate(
+                messages=chat, tools=plain_data(tools), add_generation_prompt=add_generation_prompt, **variables))
         except ChatTemplateError:
             raise
-        except jinja2.TemplateError as e:  # raise_exception(), undefined calls, sandbox violations
+        except jinja2.exceptions.SecurityError as e:  # the sandbox or the budget (template_sandbox.py)
+            raise UnsafeTemplateError(f"chat template refused: {e.message or e}") from None
+        except RecursionError:
+            raise UnsafeTemplateError("chat template refused: it recursed too deeply") from None
+        except OverflowError as e:  # jinja's range() over the sandbox's MAX_RANGE, float overflow
+            raise UnsafeTemplateError(f"chat template refused: {e}") from None
+        except jinja2.TemplateError as e:  # raise_exception(), undefined calls
             raise ChatTemplateError(f"chat template error: {e.message or e}") from e
         except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError,
-                RecursionError, OverflowError) as e:  # malformed messages reaching template operators
+                MemoryError) as e:  # malformed messages reaching template operators
             raise ChatTemplateError(f"chat template failed on these messages: {type(e).__name__}: {e}") from e
+
+
+def _probe_tool() -> dict:
+    return {"type": "function", "function": {"name": _PROBE_TOOL, "description": "Probe.",
+                                             "parameters": {"type": "object", "properties": {}}}}
 
 
 def _templates_in_dir(model_dir: str, cfg: Mapping[str, Any]) -> dict[str, str] | None:

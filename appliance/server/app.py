@@ -4,8 +4,9 @@ one Preparer (preparer.py) and takes the route tables of the API modules over it
 Adding an endpoint touches one API module (and its line here if it is a new module).
 
 Policies:
-- Order of checks: route (404/405) -> API key (401; /health, /v1/models, /, /api/version and CORS preflights
-  stay open) -> the API module's (preparer.py: model loaded 503, body 413, fields, template, context 400,
+- Order of checks: Host and Origin (403, protocol/browser_policy.py: DNS rebinding and cross-origin pages; every
+  path, /health included) -> route (404/405) -> a CORS preflight is answered here -> API key (401; /health,
+  /v1/models, /, /api/version and preflights stay open) -> the API module's (preparer.py: model loaded 503, body 413, fields, template, context 400,
   queue 429, images 400/413).
 - /metrics counts every request with the status it ended with (Exchange.outcome, recorded once the last byte is
   written, so a client closing right after reading is not "gone"): one that ends because its client left before
@@ -14,11 +15,16 @@ Policies:
 - Errors are OpenAI's error JSON, except under /api/ (Ollama's `{"error": "..."}`) and /v1/messages (Anthropic's
   `{"type": "error", "error": {...}}`).
 - The key: `Authorization: Bearer KEY`, or `x-api-key: KEY` (Anthropic's clients send that one).
+- The browser policy is built once at start from --cors-origins, --allowed-hosts and the address we listen on
+  (for a wildcard address also the machine's names and interface addresses, read here: the I/O side of it);
+  its CORS headers for a request go into `Exchange.extra_headers`, so every response to it carries them.
 - Keys are compared with hmac.compare_digest against every configured key (no early exit on the first match).
 """
 from __future__ import annotations
 
 import hmac
+import ipaddress
+import socket
 import time
 from collections import Counter
 from typing import Any
@@ -27,6 +33,7 @@ from .. import web
 from ..h11_server import Exchange
 from ..protocol import prometheus
 from ..protocol.anthropic_stream import error_body as anthropic_error_body
+from ..protocol.browser_policy import BrowserPolicy, decide, make_policy
 from ..protocol.chunks import model_list
 from ..protocol.errors import ApiError, error_body, invalid_api_key, method_not_allowed, missing_api_key, not_found
 from ..protocol.ollama_stream import error_body as ollama_error_body
@@ -44,8 +51,50 @@ __all__ = ["Api", "ApiConfig"]
 
 
 OPEN_PATHS = {"/health", "/v1/models", "/", "/api/version", "/chat"}
-CORS_METHODS = b"GET, HEAD, POST, DELETE, OPTIONS"
-CORS_DEFAULT_HEADERS = b"Authorization, Content-Type"
+WILDCARD_ADDRESSES = ("0.0.0.0", "::", "")
+
+
+def machine_names() -> tuple[str, ...]:
+    """The names and addresses this machine answers to: hostname, FQDN, what they resolve to, and the
+    interfaces' addresses (IPv4 by SIOCGIFADDR, IPv6 from /proc/net/if_inet6)."""
+    names = {socket.gethostname(), socket.getfqdn()}
+    for name in list(names):
+        try:
+            names.update(str(ai[4][0]).split("%")[0] for ai in socket.getaddrinfo(name, None))
+        except OSError:
+            pass
+    try:
+        import fcntl
+        import struct
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for _, ifname in socket.if_nameindex():
+                try:
+                    packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname.encode()[:15]))  # SIOCGIFADDR
+                    names.add(socket.inet_ntoa(packed[20:24]))
+                except OSError:
+                    continue
+    except (ImportError, OSError):
+        pass
+    try:
+        with open("/proc/net/if_inet6", encoding="ascii") as f:
+            for line in f:
+                names.add(str(ipaddress.IPv6Address(bytes.fromhex(line.split()[0]))))
+    except (OSError, ValueError, IndexError):
+        pass
+    return tuple(sorted(n for n in names if n))
+
+
+def browser_policy(cfg: ApiConfig) -> BrowserPolicy:
+    """cfg's policy (ValueError for a malformed --cors-origins / --allowed-hosts entry)."""
+    listen = [cfg.listen_host]
+    if cfg.listen_host not in WILDCARD_ADDRESSES:
+        try:
+            listen += [str(ai[4][0]) for ai in socket.getaddrinfo(cfg.listen_host, None)]
+        except OSError:
+            pass
+    wildcard = cfg.listen_host in WILDCARD_ADDRESSES
+    return make_policy(listen_hosts=tuple(listen), machine_names=machine_names() if wildcard else (),
+                       cors_origins=cfg.cors_origins, allowed_hosts=cfg.allowed_hosts)
 
 
 class Api:
@@ -57,6 +106,7 @@ class Api:
         self.rejected = 0
         self.loop_lag = LoopLag()   # run by whoever runs the server (cli.serve): `nursery.start_soon(api.loop_lag.run)`
         self._keys = tuple(k.encode("utf-8") for k in cfg.api_keys)
+        self.browser = browser_policy(cfg)
         self.prep = Preparer(worker, cfg)
         self.routes: Routes = {
             "/health": {"GET": self.health},
@@ -81,13 +131,18 @@ class Api:
         ex.error_body = ollama_error_body if is_ollama_path(path) else \
             anthropic_error_body if is_anthropic_path(path) else error_body   # also the server's own 500 / 503
         try:
+            verdict = decide(self.browser, ex.method, ex.headers)
+            ex.extra_headers = list(verdict.headers)
+            if verdict.status == 403:
+                raise ApiError(403, verdict.message, code=verdict.code)
             handlers = self.routes.get(path)
             if handlers is None and path.startswith("/v1/models/"):
                 handlers = {"GET": self.model_info}
             if handlers is None:
                 raise not_found(ex.path)
-            if ex.method == "OPTIONS":
-                return await ex.respond(204, self._preflight_headers(ex) + self.cors_headers(), b"")
+            if ex.method == "OPTIONS":  # a preflight (answered by the policy) or a plain OPTIONS
+                allow = ", ".join(tuple(handlers) + ("OPTIONS",)).encode("ascii")
+                return await ex.respond(204, [] if verdict.status == 204 else [(b"Allow", allow)], b"")
             handler = handlers.get(ex.method)
             if handler is None:
                 raise method_not_allowed(ex.method, path, tuple(handlers) + ("OPTIONS",))
@@ -100,22 +155,12 @@ class Api:
             ex.notes["error"] = e.message
             if ex.response_started:  # an HTTP-level error after a stream began cannot be reported
                 raise
-            await ex.respond(e.status, [(b"Content-Type", JSON_CONTENT_TYPE)] + list(e.headers) + self.cors_headers(),
-                             ex.error_body(e))
+            await ex.respond(e.status, [(b"Content-Type", JSON_CONTENT_TYPE)] + list(e.headers), ex.error_body(e))
         finally:  # what it really ended with: sent whole, client gone (499), cut by shutdown, or a failure (500)
             self.requests[(endpoint, ex.outcome)] += 1
 
     async def send_json(self, ex: Exchange, obj: Any, status: int = 200) -> None:
         await self.prep.send_json(ex, obj, status)
-
-    def cors_headers(self) -> list[tuple[bytes, bytes]]:
-        return self.prep.cors_headers()
-
-    def _preflight_headers(self, ex: Exchange) -> list[tuple[bytes, bytes]]:
-        asked = ex.header("access-control-request-headers")
-        return [(b"Access-Control-Allow-Methods", CORS_METHODS),
-                (b"Access-Control-Allow-Headers", asked.encode("latin-1") if asked else CORS_DEFAULT_HEADERS),
-                (b"Access-Control-Max-Age", b"86400")]
 
     def _check_key(self, ex: Exchange) -> None:
         if not self._keys:
@@ -148,8 +193,8 @@ class Api:
                     "queue_limit": w.queue_limit}
             return await self.send_json(ex, body)
         body = {"status": "loading" if w.state == "loading" else "unavailable"}
-        await ex.respond(503, [(b"Content-Type", JSON_CONTENT_TYPE), (b"Retry-After", b"1")]
-                         + self.cors_headers(), json_bytes(body))
+        await ex.respond(503, [(b"Content-Type", JSON_CONTENT_TYPE), (b"Retry-After", b"1")],
+                         json_bytes(body))
 
     async def models(self, ex: Exchange) -> None:
         await self.send_json(ex, model_list([self.cfg.model_name], self.created))
@@ -188,5 +233,5 @@ class Api:
         }
 
     async def metrics(self, ex: Exchange) -> None:
-        await ex.respond(200, [(b"Content-Type", prometheus.CONTENT_TYPE)] + self.cors_headers(),
+        await ex.respond(200, [(b"Content-Type", prometheus.CONTENT_TYPE)],
                          prometheus.render_metrics(self.metric_values(ex.open_connections)))

@@ -16,6 +16,8 @@ class ApiConfig:
     api_keys: tuple[str, ...] = ()
     extension_events: bool = False     # metrics/tokens events on every stream unless the request says no
     queue_keepalive_s: float = 5.0     # SSE comment interval while a stream waits in the queue
-    cors_origin: str = "*"
+    cors_origins: str = ""             # --cors-origins: origins beyond the defaults (protocol/browser_policy.py)
+    allowed_hosts: str = ""            # --allowed-hosts: Host names beyond the listening addresses
+    listen_host: str = "127.0.0.1"     # --host: what the Host rule counts as ours
     image_dirs: tuple[str, ...] = ()   # local image files allowed from these directories (none: data URIs only)
     web: bool = True                   # the chat page at / (for browsers) and /chat/ (--no-web turns it off)

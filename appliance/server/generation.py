@@ -46,17 +46,16 @@ log = logging.getLogger("appliance.generation")
 
 class Generation:
     """`assembler`: the API's protocol assembler (start/token/keepalive/finish/response/error_event);
-    `token_bytes`: the tokenizer's id -> bytes (logprobs); `headers`: added to the response (CORS);
+    `token_bytes`: the tokenizer's id -> bytes (logprobs);
     `keepalive_s`: the interval of the assembler's keep-alive while queued or in prefill."""
 
     def __init__(self, prompt_ids: list[int], req: Any, assembler: Any, *, token_bytes: Callable[[int], bytes],
-                 headers: list[tuple[bytes, bytes]], keepalive_s: float, images: tuple = (),
+                 keepalive_s: float, images: tuple = (),
                  constraint: Any = None):
         self.req = req
         self.prompt_ids = prompt_ids
         self.out = assembler
         self._token_bytes = token_bytes
-        self._headers = list(headers)
         self._keepalive_s = keepalive_s
         self._phase = "queued"
         self._send_lock = trio.Lock()
@@ -75,7 +74,7 @@ class Generation:
         async with ticket:
             async with trio.open_nursery() as nursery:
                 if stream:
-                    await ex.start_stream(200, list(self.out.stream_headers) + self._headers)
+                    await ex.start_stream(200, list(self.out.stream_headers))
                     ex.stream_error = self.out.error_event
                     for event in self.out.start():
                         await self._send(ex, event)
@@ -103,7 +102,7 @@ class Generation:
                         finish=finish.reason)  # the request's access-log line (h11_server)
         if not stream:
             body = self.out.response(finish.reason, finish.text, stats, completion_ids=finish.token_ids)
-            return await ex.respond(200, [(b"Content-Type", JSON_CONTENT_TYPE)] + self._headers, json_bytes(body))
+            return await ex.respond(200, [(b"Content-Type", JSON_CONTENT_TYPE)], json_bytes(body))
         for event in self.out.finish(finish.reason, finish.text, stats, self.prompt_ids, finish.token_ids):
             await ex.send(event)
         await ex.end_stream()
@@ -172,6 +171,6 @@ async def run_ticket(prep: Preparer, ex: Exchange, loaded: LoadedModel, req: Any
         images = ()
     if on_prompt is not None:
         on_prompt(ids)
-    gen = Generation(ids, req, out, token_bytes=loaded.tokenizer.token_bytes, headers=prep.cors_headers(),
+    gen = Generation(ids, req, out, token_bytes=loaded.tokenizer.token_bytes,
                      keepalive_s=prep.cfg.queue_keepalive_s, images=images, constraint=constraint)
     await gen.run(ex, ticket, t_arrival)

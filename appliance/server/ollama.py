@@ -140,7 +140,7 @@ class OllamaApi:
         if self.html_root is not None and wants_html(ex.header("accept")):
             return await self.html_root(ex)
         # HEAD: Exchange.respond sends the GET's headers (Content-Length included) and no body
-        await ex.respond(200, [(b"Content-Type", b"text/plain; charset=utf-8")] + self.prep.cors_headers(), ROOT_TEXT)
+        await ex.respond(200, [(b"Content-Type", b"text/plain; charset=utf-8")], ROOT_TEXT)
 
     async def version(self, ex: Exchange) -> None:
         await self.prep.send_json(ex, {"version": OLLAMA_COMPAT_VERSION})

@@ -176,8 +176,5 @@ class Preparer:
         self.images_decoded += 1
 
     # ---- responses -------------------------------------------------------------------------------------
-    def cors_headers(self) -> list[tuple[bytes, bytes]]:
-        return [(b"Access-Control-Allow-Origin", self.cfg.cors_origin.encode("latin-1"))]
-
     async def send_json(self, ex: Exchange, obj: Any, status: int = 200) -> None:
-        await ex.respond(status, [(b"Content-Type", JSON_CONTENT_TYPE)] + self.cors_headers(), json_bytes(obj))
+        await ex.respond(status, [(b"Content-Type", JSON_CONTENT_TYPE)], json_bytes(obj))

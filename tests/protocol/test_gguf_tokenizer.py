@@ -56,3 +56,11 @@ def test_chat_templates():
     named = chat_templates(tiny_meta(**{"tokenizer.chat_template": "T", "tokenizer.chat_template.tool_use": "U",
                                         "tokenizer.chat_templates": ["tool_use"]}))
     assert named == {"default": "T", "tool_use": "U"}
+
+
+def test_merge_pairs_in_chunks_equals_rule_by_rule():
+    from appliance.engine.gguf_tokenizer import MERGE_CHUNK, merge_pairs
+    rules = [f"Ġa{i} b{i}" for i in range(2 * MERGE_CHUNK + 5)]
+    assert merge_pairs(rules) == [tuple(r.split(" ", 1)) for r in rules]
+    odd = rules[:MERGE_CHUNK + 3] + ["x y z"]        # a piece with a space: the rule-by-rule way, whole list
+    assert merge_pairs(odd) == [tuple(r.split(" ", 1)) for r in odd]

@@ -39,9 +39,9 @@ def error_of(body: bytes) -> dict:
 
 
 def test_unknown_path_and_wrong_method(server):
-    r, body = exchange(server, request_bytes("GET", "/v2/nothing", headers=AUTH))
+    r, body = exchange(server, request_bytes("GET", "/v2/nothing", headers={**AUTH, "Origin": "http://localhost:3000"}))
     assert r.status == 404 and error_of(body)["type"] == "not_found_error"
-    assert r.header("Access-Control-Allow-Origin") == "*"
+    assert r.header("Access-Control-Allow-Origin") == "http://localhost:3000" and r.header("Vary") == "Origin"
     r, body = exchange(server, request_bytes("GET", "/v1/chat/completions", headers=AUTH))
     assert r.status == 405 and r.header("Allow") == "POST, OPTIONS"
     assert error_of(body)["type"] == "invalid_request_error"
@@ -73,10 +73,10 @@ def test_auth(server):
 
 def test_cors_preflight_needs_no_key(server):
     r, b = exchange(server, request_bytes("OPTIONS", "/v1/chat/completions", headers={
-        "Origin": "http://example.org", "Access-Control-Request-Method": "POST",
+        "Origin": "http://localhost:5173", "Access-Control-Request-Method": "POST",
         "Access-Control-Request-Headers": "authorization, content-type"}))
     assert r.status == 204 and b == b""
-    assert r.header("Access-Control-Allow-Origin") == "*"
+    assert r.header("Access-Control-Allow-Origin") == "http://localhost:5173"
     assert "POST" in r.header("Access-Control-Allow-Methods")
     assert r.header("Access-Control-Allow-Headers") == "authorization, content-type"
 
@@ -91,7 +91,7 @@ def test_bad_bodies_are_400_never_500(server):
               b"[" * 10000 + b"]" * 10000]
     for body in bodies:
         for path in ("/v1/chat/completions", "/v1/completions"):
-            raw = (f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            raw = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
                    f"Content-Length: {len(body)}\r\n\r\n").encode() + body
             r, b = exchange(server, raw)
             assert r.status == 400, (path, body[:40], b)
@@ -103,14 +103,14 @@ def test_bad_bodies_are_400_never_500(server):
 
 def test_body_too_large(server):
     # declared too large: answered before the body is sent
-    raw = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+    raw = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
            f"Content-Length: {1 << 20}\r\n\r\n").encode()
     r, b = exchange(server, raw)
     assert r.status == 413 and error_of(b)["code"] == "request_too_large"
     assert r.header("Connection") == "close"
     # chunked, and it only turns out too large while reading
     c = RawClient(server.port, timeout=10)
-    c.send(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+    c.send(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
            f"Transfer-Encoding: chunked\r\n\r\n".encode())
     piece = b"x" * 8192
     try:
@@ -124,7 +124,7 @@ def test_body_too_large(server):
 
 
 def test_header_too_large(server):
-    r, b = exchange(server, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 8000 + b"\r\n\r\n")
+    r, b = exchange(server, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 8000 + b"\r\n\r\n")
     assert r.status == 431 and "error" in json.loads(b)
 
 
@@ -135,7 +135,7 @@ def test_malformed_request_line(server):
 
 def test_slow_headers_get_408_and_idle_connections_close(server):
     c = RawClient(server.port, timeout=10)
-    c.send(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and then nothing
+    c.send(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and then nothing
     t0 = time.monotonic()
     r = c.read_head()
     assert r.status == 408 and time.monotonic() - t0 < 5
@@ -158,7 +158,7 @@ def test_slow_headers_get_408_and_idle_connections_close(server):
 
 def test_slow_body_gets_408(server):
     c = RawClient(server.port, timeout=10)
-    c.send(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+    c.send(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
            f"Content-Length: 100\r\n\r\n{{".encode())
     r = c.read_head()
     assert r.status == 408
@@ -180,7 +180,7 @@ def test_keep_alive_pipelining_http10_and_expect_continue(server):
 
     body = json.dumps(chat_body(max_tokens=1)).encode()
     c = RawClient(server.port, timeout=10)
-    c.send(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+    c.send(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nExpect: 100-continue\r\n\r\n".encode())
     r = c.read_head()
     assert r.status == 100

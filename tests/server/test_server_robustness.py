@@ -247,7 +247,7 @@ def test_content_length_with_transfer_encoding_is_refused_and_closes(server):
     """RFC 9112 6.3: both headers is a smuggling vector: 400, Connection: close, the pipelined request after
     it is never served."""
     body = json.dumps(chat_body("Hi", max_tokens=2)).encode()
-    smuggled = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    smuggled = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                 b"Content-Length: %d\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
                 % (len(body) + 7, len(body), body))
     c = RawClient(server.port, timeout=10)

@@ -19,7 +19,7 @@ SSE_HEAD = (b"HTTP/1.1 200 OK\r\n"
             b"Cache-Control: no-cache\r\n"
             b"Connection: keep-alive\r\n"
             b"X-Accel-Buffering: no\r\n"
-            b"Access-Control-Allow-Origin: *\r\n"
+            b"Vary: Origin\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n")
 
 

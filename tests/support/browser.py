@@ -29,6 +29,8 @@ def save_screenshot(page, name: str) -> str:
     return path
 
 
-def launch(playwright):
+def launch(playwright, extra_args: tuple[str, ...] = ()):
+    """Chromium; `extra_args` such as --host-resolver-rules="MAP name 127.0.0.1" (a name for a loopback server:
+    the tests' stand-in for DNS, rebinding included)."""
     assert os.path.exists(CHROMIUM), "chromium is not installed (scripts/test.sh installs the Debian package)"
-    return playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    return playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS + list(extra_args))

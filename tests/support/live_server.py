@@ -34,12 +34,14 @@ def serving_model(model_dir: str, ctx: int | None, prefill_chunk: int):
 class LiveServer:
     def __init__(self, model_dir: str, *, queue: int = 4, api_keys: tuple[str, ...] = (),
                  extension_events: bool = False, prefill_chunk: int = 256, ctx: int | None = None,
-                 queue_keepalive_s: float = 5.0, load=None, wait_ready: bool = True, image_dirs=(), **server_cfg):
+                 queue_keepalive_s: float = 5.0, load=None, wait_ready: bool = True, image_dirs=(),
+                 cors_origins: str = "", allowed_hosts: str = "", **server_cfg):
         self.model_dir = model_dir
         self.queue = queue
         self.api_cfg = ApiConfig(model_name=model_name(model_dir), api_keys=api_keys,
                                  extension_events=extension_events, queue_keepalive_s=queue_keepalive_s,
-                                 image_dirs=tuple(image_dirs))
+                                 image_dirs=tuple(image_dirs), cors_origins=cors_origins,
+                                 allowed_hosts=allowed_hosts, listen_host="127.0.0.1")
         self.server_cfg = ServerConfig(host="127.0.0.1", port=0, **server_cfg)
         self._load = load or (lambda: serving_model(model_dir, ctx, prefill_chunk))
         self._ready = threading.Event()

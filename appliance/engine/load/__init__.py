@@ -45,6 +45,10 @@ class UnsupportedTensorType(ModelLoadError):
     """A weight is stored in a type no kernel serves (the message names the tensor and its type)."""
 
 
+class UnsafeTemplate(ModelLoadError):
+    """The model's chat template broke the sandbox or its budget when rendered at load (chat_template.vet)."""
+
+
 @dataclass(frozen=True)
 class LoadOptions:
     """Deployment choices made at load time (the CLI's flags; tests pass a few)."""
@@ -116,6 +120,12 @@ def load_model(path: str, options: LoadOptions | None = None, **overrides) -> Lo
         from .hf import read_hf_dir as read
     phases.mark("imports (model code)")
     ckpt = read(path, options, phases)
+    from ..chat_template import UnsafeTemplateError
+    try:
+        ckpt.chat_template.vet()
+    except UnsafeTemplateError as e:
+        raise UnsafeTemplate(f"cannot load {path}: {e}") from None
+    phases.mark("chat template check")
     return finish(path, ckpt, options, phases)
 
 

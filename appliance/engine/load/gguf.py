@@ -34,7 +34,7 @@ from ..config import Qwen3Config
 from ..quant_weights import QuantWeight
 from ..qwen3_moe import ExpertLoadStats, Experts, MoEConfig, SparseMoE
 from ..weights import DenseWeight
-from . import Checkpoint, LoadOptions, ModelLoadError, UnsupportedTensorType
+from . import Checkpoint, LoadOptions, ModelLoadError, UnsafeTemplate, UnsupportedTensorType
 from .gguf_file import GGUFFile
 from .names import EXPERT_PROJECTIONS, gguf_experts, gguf_layer, gguf_model
 from .phases import Phases
@@ -225,7 +225,7 @@ def read_gguf(path: str, options: LoadOptions, phases: Phases | None = None) -> 
     """A .gguf file's model, tokenizer, template, stop ids and sampling defaults (see load.load_model);
     its parts are marked in `phases`."""
     phases = phases if phases is not None else Phases()
-    from ..chat_template import ChatTemplate, ChatTemplateError
+    from ..chat_template import ChatTemplate, ChatTemplateError, UnsafeTemplateError
     from ..gguf_tokenizer import build_tokenizer, chat_templates, eog_ids
 
     phases.mark("imports (tokenizer and template)")
@@ -250,6 +250,8 @@ def read_gguf(path: str, options: LoadOptions, phases: Phases | None = None) -> 
         eos = eog_ids(meta)
     except UnsupportedTensorType as e:
         raise UnsupportedTensorType(f"cannot load {path}: {e}") from None
+    except UnsafeTemplateError as e:
+        raise UnsafeTemplate(f"cannot load {path}: {e}") from None
     except (KeyError, ValueError, ChatTemplateError) as e:
         raise ModelLoadError(f"cannot load {path}: {e}") from None
     return Checkpoint(cfg, model, tokenizer, template, eos, default_sampling(meta))

@@ -45,14 +45,14 @@ from ..qwen3_vl import Qwen3VLModel
 from ..safetensors import SafeTensors, SafetensorsError, to_float32
 from ..vision import Linear, PatchMerger, VisionBlock, VisionConfig, VisionTower, vision_ops
 from ..weights import DenseWeight
-from . import Checkpoint, LoadOptions, ModelLoadError
+from . import Checkpoint, LoadOptions, ModelLoadError, UnsafeTemplate
 from .names import EXPERT_PROJECTIONS, HFNames
 from .phases import Phases
 
 
 def read_hf_dir(path: str, options: LoadOptions, phases: Phases | None = None) -> Checkpoint:
     phases = phases if phases is not None else Phases()
-    from ..chat_template import ChatTemplate
+    from ..chat_template import ChatTemplate, UnsafeTemplateError
     from ..tokenizer import Tokenizer
 
     phases.mark("imports (tokenizer and template)")
@@ -72,6 +72,8 @@ def read_hf_dir(path: str, options: LoadOptions, phases: Phases | None = None) -
         phases.mark("tokenizer")
         template = ChatTemplate.from_dir(path)
         phases.mark("chat template")
+    except UnsafeTemplateError as e:
+        raise UnsafeTemplate(f"cannot load {path}: {e}") from None
     except (SafetensorsError, UnsupportedModelError, KeyError, ValueError, OSError) as e:
         raise ModelLoadError(f"cannot load {path}: {e}") from None
     gen_cfg = read_json(os.path.join(path, "generation_config.json"))
