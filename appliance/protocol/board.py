@@ -13,7 +13,7 @@ import re
 
 BOARD_HEADER = b"X-Kestrel-Board"
 MAX_NAME = 64
-_NAME = re.compile(r"[!-~]{1,%d}" % MAX_NAME)   # visible ASCII, no space
+_NAME = re.compile(rf"[!-~]{{1,{MAX_NAME}}}")   # visible ASCII, no space
 
 
 def board_name_problem(name: str) -> str | None:

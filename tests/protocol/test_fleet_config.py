@@ -34,8 +34,8 @@ def test_bad_board_addresses(text, why):
 
 def test_the_config_for_two_boards():
     text = render(["10.0.0.1:8080", "10.0.0.2:8080"], FleetOptions(listen="127.0.0.1:9000", fail_timeout_s=7))
-    affinity = re.search(r"upstream kestrel_affinity \{(.*?)\n\}", text, re.S).group(1)
-    least = re.search(r"upstream kestrel_least_conn \{(.*?)\n\}", text, re.S).group(1)
+    affinity = re.search(r"upstream kestrel_affinity \{(.*?)\n\}", text, re.DOTALL).group(1)
+    least = re.search(r"upstream kestrel_least_conn \{(.*?)\n\}", text, re.DOTALL).group(1)
     assert "hash $kestrel_conversation consistent;" in affinity and "least_conn;" in least
     assert re.findall(r"server (\S+) max_fails=1 fail_timeout=7s;", affinity) == ["10.0.0.1:8080", "10.0.0.2:8080"]
     assert re.findall(r"server (\S+) max_fails=0;", least) == ["10.0.0.1:8080", "10.0.0.2:8080"]
@@ -52,7 +52,7 @@ def test_the_config_for_two_boards():
 def test_the_template_is_what_the_command_prints(capsys):
     with open(TEMPLATE) as f:
         template = f.read()
-    command = re.search(r"^# Made by: kestrel-appliance fleet-config (.*)$", template, re.M).group(1)
+    command = re.search(r"^# Made by: kestrel-appliance fleet-config (.*)$", template, re.MULTILINE).group(1)
     assert cli.main(["fleet-config", *command.split()]) == 0
     assert capsys.readouterr().out == template
     assert template.count("server 192.168.1.") == 6

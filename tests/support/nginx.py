@@ -42,7 +42,7 @@ def check(conf_path: str, prefix: str) -> subprocess.CompletedProcess:
     """`nginx -t` on a configuration file."""
     assert NGINX, "nginx is not installed (scripts/test.sh installs the Debian package)"
     return subprocess.run([NGINX, "-t", "-c", conf_path, "-p", prefix, "-e", os.path.join(prefix, "error.log")],
-                          capture_output=True, text=True, timeout=30)
+                          capture_output=True, text=True, timeout=30, check=False)
 
 
 class Nginx:
@@ -55,7 +55,7 @@ class Nginx:
         with open(self.conf, "w") as f:
             f.write(main_config(d, http, workers))
 
-    def __enter__(self) -> "Nginx":
+    def __enter__(self) -> Nginx:
         cmd = [NGINX, "-c", self.conf, "-p", self.dir, "-e", os.path.join(self.dir, "error.log")]
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 10
