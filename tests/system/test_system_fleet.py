@@ -32,6 +32,10 @@ from tests.support.nginx import Nginx, check, free_port, main_config
 N_BOARDS = 3
 FAIL_TIMEOUT_S = 2
 SYSTEM = "You are a terse assistant. Answer in a few words."
+# A first message with ~80 tokens of its own: a board keeps an earlier conversation's KV beside another's only when
+# it holds more than PrefixStore's slack (64 tokens) that the other does not share (engine/prefix_cache.py).
+STORY = ("A fisherman mends his nets on the quay at dawn while gulls circle the harbour and the bakery opens its "
+         "shutters. The ferry sounds its horn twice, the tide turns, and the market fills with voices. ")
 
 
 class Fleet:
@@ -123,7 +127,8 @@ def turn(c, messages, session: str | None, max_tokens: int = 8) -> dict:
 def conversation(c, n: int, by_header: bool) -> tuple[dict, dict]:
     """Two turns of conversation n (a first message of its own, so its prefix is its own)."""
     msgs = [{"role": "system", "content": SYSTEM},
-            {"role": "user", "content": f"Conversation {n}: name a colour, an animal and the number {n * 7}."}]
+            {"role": "user", "content": f"Conversation {n}. {STORY * 2}Name a colour, an animal and the number "
+                                        f"{n * 7}."}]
     session = f"session-{n}" if by_header else None
     t1 = turn(c, msgs, session)
     msgs += [{"role": "assistant", "content": t1["text"]}, {"role": "user", "content": "And one more?"}]
