@@ -61,7 +61,9 @@ class VersionAction(argparse.Action):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="OpenAI-compatible Qwen3 inference service.",
                                 epilog="Convert a Hugging Face checkpoint to GGUF: %(prog)s convert HF_DIR OUT.gguf "
-                                       "--type q8_0|q4_0|f16|f32 (see %(prog)s convert --help).")
+                                       "--type q8_0|q4_0|f16|f32 (see %(prog)s convert --help). An nginx "
+                                       "configuration for several boards: %(prog)s fleet-config --board HOST:PORT "
+                                       "... (see %(prog)s fleet-config --help).")
     p.add_argument("--version", action=VersionAction)
     p.add_argument("--model", metavar="PATH", required=True, help="Hugging Face model directory or .gguf file")
     s = p.add_argument_group("serving")
@@ -106,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow image_url file paths under DIR (repeatable; default: data: URIs only)")
     s.add_argument("--image-max-pixels", type=int, metavar="N",
                    help="resize images to at most N pixels (default: the model's preprocessor_config.json)")
+    s.add_argument("--board-name", metavar="NAME",
+                   help="this board's name, sent as X-Kestrel-Board on every response (default: the host name)")
     s.add_argument("--grace", type=float, default=10.0, metavar="S", help="shutdown grace period (seconds)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     o = p.add_argument_group("one-shot")
@@ -138,6 +142,11 @@ def _positive(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parse_host_list(args.allowed_hosts)
     except ValueError as e:
         p.error(str(e))
+    if args.board_name is not None:
+        from .protocol.board import board_name_problem
+        problem = board_name_problem(args.board_name)
+        if problem is not None:
+            p.error(f"--board-name {problem}")
 
 
 def _check_model_path(path: str) -> None:
@@ -204,6 +213,14 @@ def start_done() -> None:
     gc.enable()
 
 
+def board_name(given: str | None) -> str:
+    """--board-name, else the host name (its first 64 visible characters; none if it has none)."""
+    if given is not None:
+        return given
+    import socket
+    return "".join(c for c in socket.gethostname() if "!" <= c <= "~")[:64]
+
+
 def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -266,7 +283,8 @@ async def serve(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
                                 extension_events=args.extension_events, image_dirs=tuple(args.image_dir),
                                 web=not args.no_web, cors_origins=args.cors_origins,
                                 allowed_hosts=args.allowed_hosts, listen_host=args.host))
-    server = HttpServer(ServerConfig(host=args.host, port=args.port, grace_period=args.grace), api)
+    server = HttpServer(ServerConfig(host=args.host, port=args.port, grace_period=args.grace,
+                                     board_name=board_name(args.board_name)), api)
     try:
         await server.listen()
     except OSError as e:
@@ -330,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "convert":  # `kestrel-appliance convert HF_DIR OUT.gguf --type q8_0|q4_0|f16`
         from .convert import main as convert_main
         return convert_main(argv[1:])
+    if argv and argv[0] == "fleet-config":  # `kestrel-appliance fleet-config --board HOST:PORT ...`: nginx config
+        from .fleet import main as fleet_main
+        return fleet_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     _positive(parser, args)

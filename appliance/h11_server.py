@@ -21,6 +21,8 @@ Policies:
   whatever response the request gets, error responses of this layer included.
 - A response is marked complete as soon as its last byte is written, before any cancel (a client that read it
   and closed at once) can interrupt the handler: Exchange.outcome is the status it really ended with.
+- Every response head (the application's, streams included, and this module's own errors) carries the board's
+  name (`X-Kestrel-Board`, protocol/board.py) when the server has one.
 - One access-log line per request (protocol/access_log.py) when it has ended, whatever way: the application
   adds its notes (tokens, queue wait, the error's reason) to `Exchange.notes`; malformed request heads get one
   too.
@@ -43,6 +45,7 @@ if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
 from .protocol.access_log import access_level, access_line, peer_name, request_id
+from .protocol.board import board_headers, with_board
 from .protocol.errors import ApiError, body_too_large, error_body, internal_error, server_shutdown
 
 log = logging.getLogger("appliance.server")
@@ -66,6 +69,7 @@ class ServerConfig:
     body_timeout: float = 30.0
     write_timeout: float = 60.0       # one write blocked this long: the client stopped reading
     grace_period: float = 10.0
+    board_name: str = ""              # X-Kestrel-Board on every response (protocol/board.py); "" sends none
 
 
 class PeerGone(Exception):
@@ -182,8 +186,8 @@ class Exchange:
         headers = list(headers) + self.extra_headers
         if self._conn.h11.their_state is h11.SEND_BODY:  # the body stays unread: this connection ends here
             headers = list(headers) + [(b"Connection", b"close")]
-        await self._conn.send(h11.Response(status_code=status, headers=headers, reason=reason or _reason(status)),
-                              checkpoint=False)
+        await self._conn.send(h11.Response(status_code=status, headers=with_board(headers, self._conn.board),
+                                           reason=reason or _reason(status)), checkpoint=False)
 
     async def send(self, data: bytes) -> None:
         await self._conn.send(h11.Data(data=data))
@@ -216,6 +220,7 @@ class _Connection:
         self._write_scope: trio.CancelScope | None = None
         self.bytes_out = 0
         self.exchange: Exchange | None = None   # the request being served
+        self.board = server.board                # the headers naming this board, on every response
         try:
             self.client = peer_name(stream.socket.getpeername())
         except (OSError, AttributeError):
@@ -372,8 +377,8 @@ class _Connection:
         try:
             if exchange is not None:
                 exchange.status = err.status
-            await self.send(h11.Response(status_code=err.status, headers=headers, reason=_reason(err.status)),
-                            checkpoint=False)
+            await self.send(h11.Response(status_code=err.status, headers=with_board(headers, self.board),
+                                         reason=_reason(err.status)), checkpoint=False)
             await self.send(h11.Data(data=body), checkpoint=False)
             await self.send(h11.EndOfMessage(), checkpoint=False)
             if exchange is not None:
@@ -492,6 +497,7 @@ class HttpServer:
     def __init__(self, cfg: ServerConfig, app: App):
         self.cfg = cfg
         self.app = app
+        self.board = board_headers(cfg.board_name)   # ValueError for a name that is no header value
         self.closing = False
         self.connections: set[_Connection] = set()
         self.listeners: list[trio.SocketListener] = []

@@ -1,6 +1,8 @@
 /* The chat page: one conversation with the served model over our own /v1/chat/completions stream.
 
-   - History lives in this page (S.history, OpenAI messages); "New chat" empties it.
+   - History lives in this page (S.history, OpenAI messages); "New chat" empties it. Every request of one
+     conversation carries the same X-Session-Id (a new random one per conversation), which a proxy in front of
+     several boards hashes to keep the conversation on the board holding its prefix cache.
    - Each answer streams event by event (fetch + SSEParser); Stop aborts the fetch, and the server cancels the
      generation when the connection closes. Qwen3's reasoning_content goes into a collapsible block apart from
      the answer; the Think switch sends chat_template_kwargs.enable_thinking.
@@ -31,6 +33,7 @@
   const S = {
     model: "", ready: false, props: null, key: store.get(KEY_ITEM, ""),
     history: [],        // the conversation as OpenAI messages
+    session: "",        // its X-Session-Id (newSession)
     attachments: [],    // images waiting to be sent: {url, w, h, name}
     run: null,          // the generation in flight
     health: null,       // the last /health answer
@@ -44,6 +47,12 @@
   };
 
   // ---- API ---------------------------------------------------------------------------------------------
+  /* 128 random bits as hex; crypto.getRandomValues works on plain http (randomUUID needs a secure context). */
+  function newSession() {
+    const bytes = crypto.getRandomValues(new Uint8Array(16));
+    S.session = Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
+  }
+
   function api(path, init = {}) {
     const headers = new Headers(init.headers || {});
     if (S.key) headers.set("Authorization", "Bearer " + S.key);
@@ -473,7 +482,8 @@
     try {
       for (;;) {
         const r = await api("v1/chat/completions", {method: "POST", body, signal: run.ctrl.signal,
-                                                     headers: {"Content-Type": "application/json"}});
+                                                     headers: {"Content-Type": "application/json",
+                                                               "X-Session-Id": S.session}});
         if (r.status === 401) { await needKey(r); continue; }
         if (r.status === 429 || r.status === 503) {
           const seconds = Math.min(60, Math.max(1, parseInt(r.headers.get("Retry-After"), 10) || 1));
@@ -531,6 +541,7 @@
   function newChat() {
     stop();
     S.history = [];
+    newSession();
     S.attachments = [];
     showAttachments();
     ui.log.replaceChildren(ui.empty);
@@ -578,6 +589,7 @@
     addFiles(e.dataTransfer.files);
   });
 
+  newSession();
   setState("offline", "connecting…");
   poll();
   ui.input.focus();

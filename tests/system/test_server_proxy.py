@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
 import subprocess
 import time
 
 import pytest
 
 from tests.support.live_server import LiveServer, RawClient, chat_body, request_bytes
+from tests.support.nginx import Nginx, free_port
 
 N_TOKENS = 60
-NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
 
 
 @pytest.fixture(scope="module")
@@ -28,55 +26,19 @@ def server(tiny_qwen3_tied):
         yield s
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def nginx(server, tmp_path_factory):
-    assert NGINX, "nginx is not installed (scripts/test.sh installs the Debian package)"
-    d = str(tmp_path_factory.mktemp("nginx"))
     port = free_port()
     up = f"http://127.0.0.1:{server.port}"
-    conf = f"""
-daemon off;
-worker_processes 1;
-pid {d}/nginx.pid;
-error_log {d}/error.log;
-{"user root;" if os.geteuid() == 0 else ""}
-events {{ worker_connections 64; }}
-http {{
-    access_log off;
-    client_body_temp_path {d}/body;
-    proxy_temp_path {d}/proxy;
-    fastcgi_temp_path {d}/fastcgi;
-    uwsgi_temp_path {d}/uwsgi;
-    scgi_temp_path {d}/scgi;
+    http = f"""
     server {{
         listen 127.0.0.1:{port};
         location / {{ proxy_pass {up}; }}
         location /buffered/ {{ proxy_pass {up}/; proxy_ignore_headers X-Accel-Buffering; }}
     }}
-}}
 """
-    with open(os.path.join(d, "nginx.conf"), "w") as f:
-        f.write(conf)
-    cmd = [NGINX, "-c", os.path.join(d, "nginx.conf"), "-p", d, "-e", os.path.join(d, "error.log")]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            assert proc.poll() is None, proc.stderr.read().decode()
-            assert time.monotonic() < deadline, "nginx did not start"
-            time.sleep(0.05)
-    yield port
-    proc.terminate()
-    proc.wait(10)
+    with Nginx(str(tmp_path_factory.mktemp("nginx")), http, port):
+        yield port
 
 
 def body(**extra) -> dict:

@@ -51,6 +51,7 @@ class Page:
         self.page = self.context.new_page()
         self.problems: list[str] = []
         self.bodies: list[dict] = []
+        self.sessions: list[str | None] = []   # each chat request's X-Session-Id
         self.page.on("pageerror", lambda e: self.problems.append(f"page error: {e}"))
         self.page.on("console", self._console)
         self.amend = amend or {}
@@ -66,6 +67,7 @@ class Page:
     def _route(self, route):
         body = json.loads(route.request.post_data)
         self.bodies.append(body)
+        self.sessions.append(route.request.headers.get("x-session-id"))
         if self.canned:
             return route.fulfill(status=200, headers={"Content-Type": "text/event-stream"}, body=self.canned.pop(0))
         route.continue_(post_data=json.dumps({**body, **self.amend}))
@@ -182,11 +184,17 @@ def test_an_answer_streams_event_by_event(browser, server, monkeypatch):
     p.last_answer()
     assert p.bodies[-1]["messages"][1] == {"role": "assistant", "content": expected}
     assert len(p.bodies[-1]["messages"]) == 3
-    # New chat by keyboard empties the conversation
+    # both turns carry the conversation's X-Session-Id (a proxy keeps them on one board by it)
+    first = p.sessions[0]
+    assert first and len(first) == 32 and int(first, 16) >= 0 and p.sessions == [first, first]
+    # New chat by keyboard empties the conversation, and the next one has a session of its own
     p.focus("#new")
     p.keyboard.press("Enter")
     assert p.locator("#log .msg").count() == 0 and p.is_visible("#empty")
     assert p.evaluate("document.activeElement.id") == "input"
+    p.say("Hello.")
+    p.last_answer()
+    assert p.sessions[-1] and len(p.sessions[-1]) == 32 and p.sessions[-1] != first
     p.close()
 
 
