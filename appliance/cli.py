@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "first request after a restart is warm")
     s.add_argument("--no-prefix-cache", action="store_true",
                    help="prefill every prompt from scratch (no KV reuse across requests)")
+    s.add_argument("--spec", choices=["ngram", "none"], default="ngram",
+                   help="speculative decoding: drafts looked up in the prompt and output (default) or none")
+    s.add_argument("--draft-max", type=int, default=8, metavar="N", help="drafted tokens per verify, at most (8)")
+    s.add_argument("--draft-min", type=int, default=1, metavar="N", help="drafted tokens per verify, at least (1)")
     s.add_argument("--threads", type=int, metavar="N", help="threads of the C kernels' pool (big cores first); also caps BLAS/OpenMP pools")
     s.add_argument("--prefill-chunk", type=int, default=256, metavar="N", help="prompt tokens per prefill step")
     s.add_argument("--moe-release-pages", action="store_true",
@@ -126,10 +130,13 @@ def _positive(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for d in args.image_dir:
         if not os.path.isdir(d):
             p.error(f"--image-dir {d} is not a directory")
-    for name in ("ctx", "threads", "prefill_chunk", "max_tokens", "image_max_pixels", "max_resident"):
+    for name in ("ctx", "threads", "prefill_chunk", "max_tokens", "image_max_pixels", "max_resident", "draft_max",
+                 "draft_min"):
         v = getattr(args, name)
         if v is not None and v < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.draft_min > args.draft_max:
+        p.error("--draft-min must not exceed --draft-max")
     if args.cache_ram is not None and args.cache_ram < 0:
         p.error("--cache-ram must be at least 0")
     if args.queue < 0:
@@ -181,7 +188,8 @@ def _read_keys(args: argparse.Namespace) -> tuple[str, ...]:
 def load_options(args: argparse.Namespace):
     """The load-time flags as one LoadOptions."""
     from .engine.load import LoadOptions
-    return LoadOptions(context_length=args.ctx, prefill_chunk=args.prefill_chunk, threads=args.threads,
+    from .engine.speculative import SpecOptions
+    return LoadOptions(spec=SpecOptions(args.spec, args.draft_max, args.draft_min), context_length=args.ctx, prefill_chunk=args.prefill_chunk, threads=args.threads,
                        kv_type=args.kv_type, cache_ram_mb=args.cache_ram, prefix_reuse=not args.no_prefix_cache,
                        prompt_cache_dir=args.prompt_cache_dir,
                        moe_release_pages=args.moe_release_pages, image_max_pixels=args.image_max_pixels,

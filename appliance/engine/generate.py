@@ -3,7 +3,8 @@
 Policies:
 - The engine thread owns the model and one KV cache slot. A prompt is prefilled in chunks (`prefill_chunk`
   tokens) so a cancellation is seen between chunks; decode runs one token a step and polls `should_cancel`
-  before each. Text leaves through an IncrementalDetokenizer (never a broken UTF-8 character) and a
+  before each. With speculation (speculative.py) a step feeds the token with its drafts and the verified run
+  is emitted token by token, `should_cancel` still polled before each. Text leaves through an IncrementalDetokenizer (never a broken UTF-8 character) and a
   StopMatcher (never part of a stop string). Exactly one TokenEvent per decoded token.
 - Prefix reuse: the cache keeps the sequence of the last request (prompt, decoded tokens, or the whole chunks
   a cancelled prefill committed) and `cache_tokens` says which ids it holds. A new request keeps the longest
@@ -29,6 +30,7 @@ import numpy as np
 from .kv_cache import ContextLengthError, KVCache
 from .prefix_cache import CachedSequence, ImageKey, PrefixStore, common_prefix
 from .sampling import Sampler, SamplingParams, TokenLogprob
+from .speculative import Drafter, DrafterFactory, DraftLength, NgramDrafter, SpecOptions
 from .text_stream import IncrementalDetokenizer, StopMatcher
 
 if TYPE_CHECKING:
@@ -79,6 +81,8 @@ class Timings:
     image_encode_ms: float = 0.0  # vision tower time (not part of prefill_ms; part of ttft_ms)
     image_tokens: int = 0
     cache_n: int = 0  # prompt tokens whose keys/values were reused (not prefilled)
+    draft_n: int = 0  # tokens drafted for verification (speculative decoding; llama-server's name)
+    draft_n_accepted: int = 0  # of those, accepted
 
     @property
     def tpot_ms(self) -> float:
@@ -108,6 +112,14 @@ class FinishEvent:
     stop_sequence: str | None = None  # the stop string that ended it (reason 'stop'), else None
 
 
+@dataclass
+class _Speculation:
+    """One request's drafting state."""
+    drafter: Drafter
+    length: DraftLength
+    verify: tuple[int, float] | None = None  # the run being consumed: tokens drafted, ms of its forward
+
+
 def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1000.0
 
@@ -116,7 +128,8 @@ class Engine:
     """Generation over one model (anything with `new_cache` and `forward(tokens, cache, logits)`)."""
 
     def __init__(self, model: CausalLM, tokenizer, eos_ids: set[int], context_length: int,
-                 prefill_chunk: int = 256, kv_dtype=np.float32, cache_bytes: int = 0, reuse_prefix: bool = True):
+                 prefill_chunk: int = 256, kv_dtype=np.float32, cache_bytes: int = 0, reuse_prefix: bool = True,
+                 spec: SpecOptions = SpecOptions(), drafter: DrafterFactory = NgramDrafter):
         self.model = model
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
@@ -134,6 +147,12 @@ class Engine:
         # engine-side counters, for tests and /metrics
         self.prefill_chunks_run = 0
         self.decode_steps_run = 0
+        self.verify_steps_run = 0  # of the decode steps, those that fed a token with its drafts
+        self.draft_tokens = 0
+        self.draft_tokens_accepted = 0
+        self.spec = spec
+        self.drafter = drafter  # a new Drafter per request
+        self.step_ms: float | None = None  # a one-token decode step, running mean (speculation pays against it)
 
     def warm_up(self) -> None:
         """One forward pass of a single token, so one-time work at a weight's first product (the native
@@ -298,6 +317,7 @@ class Engine:
 
         def finish(reason: str, tail: str = "") -> FinishEvent:
             timings.total_ms = _ms(t0)
+            self._rollback(len(req.prompt_ids) + max(len(generated) - 1, 0))  # as after plain decoding
             self.store.shrink(reserve=len(self.cache_tokens) * self.cache.bytes_per_token)
             self._disk_pending = (list(req.prompt_ids), images)
             return FinishEvent(reason, tail, len(req.prompt_ids), len(generated), generated, timings, stops.matched)
@@ -318,6 +338,9 @@ class Engine:
             yield finish("cancelled")
             return
         t_step = time.perf_counter()
+        spec = self._speculation(req)
+        run: list[np.ndarray] = []  # logits of a verified run's next positions, after `logits`
+        drafted: list[int] = []     # the drafted tokens those positions were fed
         while True:
             allowed = constraint.allowed() if constraint is not None else None
             token, lp = sampler.sample(logits, req.prompt_ids, generated, allowed)
@@ -346,9 +369,61 @@ class Engine:
             if should_cancel():
                 yield finish("cancelled")
                 return
-            t_step = time.perf_counter()
-            logits = cast(np.ndarray, self._forward([token], "last"))  # "last": never None
-            self.decode_steps_run += 1
+            if spec is not None:
+                spec.drafter.extend([token])
+            if run and token == drafted[0]:  # accepted: the next position's logits are already computed
+                timings.draft_n_accepted += 1
+                self.draft_tokens_accepted += 1
+                logits = run.pop(0)
+                drafted.pop(0)
+                t_step = time.perf_counter()
+                continue
+            if spec is not None and spec.verify is not None:  # a verified run is over (all of it used, or not)
+                k, ms = spec.verify
+                spec.length.verified(k, k - len(drafted), ms)
+                spec.verify = None
+            if run:  # rejected at this position: the rest of the run is not the text
+                self._rollback(len(req.prompt_ids) + len(generated) - 1)
+                run, drafted = [], []
+            draft = self._draft(spec, budget - len(generated))
+            t_step = t_fwd = time.perf_counter()
+            if draft:
+                out = self._forward([token] + draft, "all")  # (1 + k, V)
+                assert out is not None and spec is not None
+                logits, run, drafted = out[0], list(out[1:]), list(draft)
+                spec.verify = (len(draft), _ms(t_fwd))
+                timings.draft_n += len(draft)
+                self.draft_tokens += len(draft)
+                self.verify_steps_run += 1
+                self.decode_steps_run += 1
+            else:
+                logits = cast(np.ndarray, self._forward([token], "last"))  # "last": never None
+                self.decode_steps_run += 1
+                if spec is not None:
+                    spec.length.plain_step(_ms(t_fwd))
+                    self.step_ms = spec.length.step_ms
+
+    def _speculation(self, req: GenerationRequest) -> _Speculation | None:
+        if not self.spec.enabled:
+            return None
+        s = _Speculation(self.drafter(), DraftLength(self.spec))
+        s.length.step_ms = self.step_ms
+        s.drafter.extend(req.prompt_ids)
+        return s
+
+    def _draft(self, spec: _Speculation | None, room: int) -> list[int]:
+        """Tokens to verify after the next one: at most room - 1 (each verified position yields one token) and
+        what fits in the context."""
+        if spec is None:
+            return []
+        k = min(spec.length.next_k(), room - 1, self.cache.max_len - self.cache.length - 1)
+        return spec.drafter.propose(k) if k > 0 else []
+
+    def _rollback(self, n: int) -> None:
+        """Keep the first n positions of the active sequence (a verified run's rejected tail)."""
+        if n < len(self.cache_tokens):
+            self.cache.rollback(n)
+            del self.cache_tokens[n:]
 
 
 def _drain(detok: IncrementalDetokenizer, stops: StopMatcher) -> str:

@@ -2,9 +2,9 @@
 
 Policy: one cache per generation slot, sized to the context limit at creation (np.zeros: pages are committed
 only as positions are written). `truncate(n)` keeps the first n positions for the next request (prefix
-reuse), `reset()` keeps none; neither reallocates. The model writes through `update` and never owns the
-cache. Keys and values are stored as `dtype` (float16 halves the memory of float32); attention reads them
-as they are stored and computes in float32. `copy_prefix` / `load_prefix` move only the used positions.
+reuse), `reset()` keeps none, `rollback(n)` drops a verified draft's rejected tail; none reallocates. The
+model writes through `update` and never owns the cache. Keys and values are stored as `dtype` (float16 halves
+the memory of float32); attention reads them as they are stored and computes in float32. `copy_prefix` / `load_prefix` move only the used positions.
 """
 from __future__ import annotations
 
@@ -54,6 +54,11 @@ class KVCache:
 
     def reset(self) -> None:
         self.truncate(0)
+
+    def rollback(self, n: int) -> None:
+        """Keep the first n committed positions within the same request (a verified draft's rejected tail):
+        unlike truncate, per-request state of subclasses stays."""
+        self.length = max(0, min(self.length, n))
 
     def copy_prefix(self, n: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Copies of the first n positions: per layer (n_kv, n, hd) keys and values."""

@@ -21,6 +21,8 @@ METRICS: dict[str, tuple[str, str]] = {
     "kestrel_generated_tokens_total": ("counter", "Completion tokens generated."),
     "kestrel_prefill_seconds_total": ("counter", "Time spent in prefill."),
     "kestrel_decode_seconds_total": ("counter", "Time spent in decode steps."),
+    "kestrel_draft_tokens_total": ("counter", "Tokens drafted for verification (speculative decoding)."),
+    "kestrel_draft_tokens_accepted_total": ("counter", "Drafted tokens the model accepted."),
     "kestrel_rejected_total": ("counter", "Requests turned away because the queue was full."),
     "kestrel_cancelled_total": ("counter", "Generations cancelled because the client went away."),
     "kestrel_queue_abandoned_total": ("counter", "Requests that left the queue before their turn (client gone, "

@@ -4,7 +4,8 @@ Policies:
 - `timings` (on the final chunk and on non-stream responses) mirrors llama.cpp's server names so tools that read
   llama.cpp's figures read ours: prompt_* is prefill of the tokens actually run (prompt_n excludes the reused
   prefix, cache_n counts it, as llama.cpp's server does), predicted_* is everything after prefill (predicted_n
-  is the number of completion tokens, as llama.cpp counts them). Our own ttft_ms and tpot_ms are added.
+  is the number of completion tokens, as llama.cpp counts them). Our own ttft_ms and tpot_ms are added; with
+  speculative decoding llama-server's draft_n / draft_n_accepted too.
 - The `chat.completion.metrics` extension event carries the seed's names (prompt_tokens, ttft_ms, tpot_ms, ...)
   plus cached_tokens; prefill_ms / prefill_tok_s cover the prefilled rest.
 - usage.prompt_tokens_details (OpenAI's names): cached_tokens always; text_tokens / image_tokens with images.
@@ -45,6 +46,8 @@ class GenerationStats:
     image_encode_ms: float = 0.0  # vision tower time (before prefill; inside ttft, not prefill)
     cached_tokens: int = 0    # prompt tokens whose keys/values were reused (part of prompt_tokens)
     stop_sequence: str | None = None  # the stop string that ended the generation, if one did
+    draft_n: int = 0          # tokens drafted for verification (speculative decoding)
+    draft_n_accepted: int = 0  # of those, accepted
 
     @classmethod
     def from_finish(cls, finish: Any, queue_ms: float = 0.0) -> "GenerationStats":
@@ -54,7 +57,8 @@ class GenerationStats:
                    prefill_ms=t.prefill_ms, ttft_ms=t.ttft_ms, decode_ms=float(sum(t.decode_ms)),
                    total_ms=t.total_ms, tpot_ms=t.tpot_ms, tok_s=t.tok_s, queue_ms=queue_ms,
                    image_tokens=getattr(t, "image_tokens", 0), image_encode_ms=getattr(t, "image_encode_ms", 0.0),
-                   cached_tokens=getattr(t, "cache_n", 0), stop_sequence=getattr(finish, "stop_sequence", None))
+                   cached_tokens=getattr(t, "cache_n", 0), stop_sequence=getattr(finish, "stop_sequence", None),
+                   draft_n=getattr(t, "draft_n", 0), draft_n_accepted=getattr(t, "draft_n_accepted", 0))
 
     @property
     def prefilled_tokens(self) -> int:
@@ -73,6 +77,10 @@ class GenerationStats:
             return {}
         return {"image_tokens": self.image_tokens, "image_encode_ms": _num(self.image_encode_ms)}
 
+    def _drafts(self) -> dict[str, Any]:
+        """Speculative decoding's figures (llama-server's names), present only when tokens were drafted."""
+        return {"draft_n": self.draft_n, "draft_n_accepted": self.draft_n_accepted} if self.draft_n else {}
+
     def timings(self) -> dict[str, Any]:
         """llama.cpp-style `timings` object."""
         predicted_ms = max(self.total_ms - self.prefill_ms, 0.0)
@@ -89,6 +97,7 @@ class GenerationStats:
             "ttft_ms": _num(self.ttft_ms),
             "tpot_ms": _num(self.tpot_ms),
             **self._images(),
+            **self._drafts(),
         }
 
     def metrics(self) -> dict[str, Any]:

@@ -216,6 +216,8 @@ class Api:
             "kestrel_prompt_tokens_cached_total": s.cached_tokens,
             "kestrel_prompt_tokens_prefilled_total": s.prompt_tokens - s.cached_tokens,
             "kestrel_generated_tokens_total": s.completion_tokens,
+            "kestrel_draft_tokens_total": s.draft_tokens,
+            "kestrel_draft_tokens_accepted_total": s.draft_tokens_accepted,
             "kestrel_prefill_seconds_total": s.prefill_seconds,
             "kestrel_decode_seconds_total": s.decode_seconds,
             "kestrel_rejected_total": self.rejected,

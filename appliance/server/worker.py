@@ -90,6 +90,8 @@ class WorkerStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0              # prompt tokens reused from the KV cache (part of prompt_tokens)
     completion_tokens: int = 0
+    draft_tokens: int = 0               # tokens drafted for verification (speculative decoding)
+    draft_tokens_accepted: int = 0      # of those, accepted
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     finish_reasons: collections.Counter = field(default_factory=collections.Counter)  # 'error': engine raised
@@ -241,6 +243,8 @@ class Worker:
                     s.completion_tokens += ev.completion_tokens
                     tm = ev.timings
                     s.cached_tokens += getattr(tm, "cache_n", 0)
+                    s.draft_tokens += getattr(tm, "draft_n", 0)
+                    s.draft_tokens_accepted += getattr(tm, "draft_n_accepted", 0)
                     t.prefill_chunks = getattr(tm, "prefill_chunks", None)
                     s.prefill_seconds += tm.prefill_ms / 1000.0
                     s.decode_seconds += sum(tm.decode_ms) / 1000.0

@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Union, cast
 
+from ..speculative import SpecOptions
 from .phases import Phases
 
 if TYPE_CHECKING:
@@ -62,6 +63,7 @@ class LoadOptions:
     moe_release_pages: bool = False  # MoE: give an expert's weight pages back to the kernel after each use
     image_max_pixels: int | None = None  # multimodal: cap on resized image pixels (lowers the model's own bound)
     max_resident_mib: int | None = None  # dense: keep at most this many MiB of mapped weights resident (resident.py)
+    spec: SpecOptions = SpecOptions()  # speculative decoding (drafts from the prompt by default)
 
 
 @dataclass
@@ -198,7 +200,7 @@ def finish(path: str, ckpt: Checkpoint, options: LoadOptions, phases: Phases | N
              "on" if options.prefix_reuse else "off", cache_bytes / 2**20)
     # cast: Qwen3VLModel.forward takes the MRopeCache its own new_cache makes (the Engine only passes that one)
     engine = Engine(cast("CausalLM", ckpt.model), ckpt.tokenizer, ckpt.eos_ids, ctx, options.prefill_chunk, kv_dtype=dtype,
-                    cache_bytes=cache_bytes, reuse_prefix=options.prefix_reuse)
+                    cache_bytes=cache_bytes, reuse_prefix=options.prefix_reuse, spec=options.spec)
     phases.mark("engine (KV and prefix caches)")
     if options.prompt_cache_dir and recurrent:
         log.warning("--prompt-cache-dir: not kept for this model (its recurrent states are not written to disk)")

@@ -1,0 +1,58 @@
+"""Speculative decoding through the CLI and the openai client: drafts from the prompt are on by default, the
+streamed text is --spec none's token for token (one SSE event per token), and the figures are reported in the
+final chunk's `timings` (llama-server's draft_n / draft_n_accepted) and in /metrics."""
+import urllib.request
+
+import openai
+
+from tests.support.live_server import drain_stderr
+
+MESSAGES = [{"role": "user", "content": "Say: Sunny in Paris today. Sunny in Paris today."}]
+
+
+def stream(port: int, **extra):
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+    with client:
+        chunks = list(client.chat.completions.create(model="m", messages=MESSAGES, stream=True, max_tokens=20,
+                                                      extra_body={"chat_template_kwargs": {"enable_thinking": False},
+                                                                  **extra}))
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    timings = [getattr(c, "timings", None) or (c.model_extra or {}).get("timings") for c in chunks]
+    return pieces, [t for t in timings if t]
+
+
+def metrics(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("kestrel_draft")}
+
+
+def test_drafts_from_the_prompt_stream_the_same_tokens(cli_server, scripted_qwen3):
+    proc, port = cli_server(scripted_qwen3)
+    drain_stderr(proc)
+    plain_proc, plain_port = cli_server(scripted_qwen3, "--spec", "none")
+    drain_stderr(plain_proc)
+    pieces, timings = stream(port)
+    plain_pieces, plain_timings = stream(plain_port)
+    assert "".join(pieces) == " Sunny in Paris today." and pieces == plain_pieces   # one event per token
+    assert len(pieces) == 5
+    t = timings[-1]
+    assert t["draft_n_accepted"] >= 3 and t["draft_n"] >= t["draft_n_accepted"]
+    assert "draft_n" not in plain_timings[-1]
+    m = metrics(port)
+    assert m["kestrel_draft_tokens_accepted_total"] == t["draft_n_accepted"]
+    assert m["kestrel_draft_tokens_total"] == t["draft_n"]
+    assert metrics(plain_port)["kestrel_draft_tokens_total"] == 0
+    # a stop string inside the accepted run ends the text exactly where plain decoding does
+    cut, _ = stream(port, stop=[" Paris"])
+    assert "".join(cut) == " Sunny in" == "".join(stream(plain_port, stop=[" Paris"])[0])
+
+
+def test_bad_draft_flags_are_one_line_errors(tmp_path):
+    import subprocess
+    import sys
+    for args, needle in ((["--spec", "eagle"], "invalid choice"), (["--draft-max", "0"], "--draft-max"),
+                         (["--draft-min", "5", "--draft-max", "2"], "--draft-min")):
+        r = subprocess.run([sys.executable, "-m", "appliance", "--model", str(tmp_path), *args],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
