@@ -404,7 +404,7 @@ class Engine:
                     self.step_ms = spec.length.step_ms
 
     def _speculation(self, req: GenerationRequest) -> _Speculation | None:
-        if not self.spec.enabled:
+        if not self.spec.enabled or self._exact:  # a recurrent state cannot take back a rejected draft
             return None
         s = _Speculation(self.drafter(), DraftLength(self.spec))
         s.length.step_ms = self.step_ms

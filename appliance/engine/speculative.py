@@ -12,6 +12,8 @@ Policies:
 - Drafts from the prompt (`ngram`, the default): the most recent earlier occurrence of the last n tokens
   (n = 3, then 2) in the prompt and the output so far proposes the tokens that followed it. No match, no
   draft: a step without a draft is a plain decode step and costs nothing extra.
+- Models whose cache holds recurrent states (Qwen3.5's linear layers) do not draft: their state cannot be
+  rolled back to the accepted length (it would need a snapshot per drafted position).
 - Draft length adapts: it grows after a fully accepted run and shrinks to what the last run accepted plus one.
   A run pays when the tokens it yields per verify outweigh what the wider forward costs over a one-token step;
   both costs are measured as the request runs. When the recent yield per cost falls below 1, drafting pauses
