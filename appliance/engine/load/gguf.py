@@ -1,4 +1,5 @@
-"""GGUF files (llama.cpp's container) -> decoder objects: qwen3, qwen2, llama and qwen3moe architectures.
+"""GGUF files (llama.cpp's container) -> decoder objects: qwen3, qwen2, llama, qwen3moe and qwen3vl architectures
+(qwen3vl: the Qwen3 decoder, with its mmproj vision projector when there is one: gguf_vl.py).
 
 Policies:
 - The file is memory-mapped (gguf_file.GGUFFile, GGUFReader's view of it) and the weights stay in their stored form:
@@ -23,6 +24,7 @@ Policies:
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -34,12 +36,14 @@ from ..quant_weights import QuantWeight
 from ..weights import DenseWeight
 from appliance.native.qtypes import QType
 
-from . import Checkpoint, LoadOptions, ModelLoadError, UnsupportedTensorType
+from . import Checkpoint, LoadOptions, MismatchedPair, ModelLoadError, UnsupportedTensorType
 from .gguf_file import GGUFFile
+from .gguf_vl import NO_MMPROJ_HINT, VL_ARCHITECTURES, find_mmproj, qwen3_vl_from_pair
 from .phases import Phases
 from .names import EXPERT_PROJECTIONS, gguf_experts, gguf_layer, gguf_model
 
-SUPPORTED_ARCHITECTURES = ("qwen3", "qwen2", "llama", "qwen3moe")
+log = logging.getLogger("appliance.load")
+SUPPORTED_ARCHITECTURES = ("qwen3", "qwen2", "llama", "qwen3moe", "qwen3vl")
 # GGUF general.sampling.* -> generation_config.json names (what LoadedModel.default_sampling holds)
 SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
                  "penalty_repeat": "repetition_penalty"}
@@ -248,8 +252,25 @@ def read_gguf(path: str, options: LoadOptions, phases: Phases | None = None) -> 
         template = ChatTemplate(source, tokenizer.special_tokens)
         phases.mark("chat template")
         eos = eog_ids(meta)
-    except UnsupportedTensorType as e:
-        raise UnsupportedTensorType(f"cannot load {path}: {e}") from None
+        model, hint = with_vision(path, cfg, model, meta, tokenizer, options)
+        phases.mark("vision projector")
+    except (UnsupportedTensorType, MismatchedPair) as e:
+        raise type(e)(f"cannot load {path}: {e}") from None
     except (KeyError, ValueError, ChatTemplateError) as e:
         raise ModelLoadError(f"cannot load {path}: {e}") from None
-    return Checkpoint(cfg, model, tokenizer, template, eos, default_sampling(meta))
+    return Checkpoint(cfg, model, tokenizer, template, eos, default_sampling(meta), images_hint=hint)
+
+
+def with_vision(path: str, cfg: Qwen3Config, text, meta: dict[str, Any], tokenizer, options: LoadOptions):
+    """(model, images_hint): a qwen3vl text model with its mmproj pair (gguf_vl.py), or the text model alone
+    (and the hint a refused image part gets); other architectures refuse --mmproj."""
+    if cfg.model_type not in VL_ARCHITECTURES:
+        if options.mmproj:
+            raise ValueError(f"--mmproj goes with a Qwen3-VL text model; this one is {cfg.model_type!r}")
+        return text, ""
+    mmproj = find_mmproj(path, options.mmproj)
+    if mmproj is None:
+        log.warning("%s is the text model of a Qwen3-VL pair and no vision projector is loaded: text only; "
+                    "image parts are refused until the server starts with --mmproj mmproj.gguf", path)
+        return text, NO_MMPROJ_HINT
+    return qwen3_vl_from_pair(cfg, text, meta, tokenizer, mmproj, options), ""
