@@ -38,7 +38,7 @@ from appliance.native.qtypes import QType
 
 from . import Checkpoint, LoadOptions, MismatchedPair, ModelLoadError, UnsupportedTensorType
 from .gguf_file import GGUFFile
-from .gguf_vl import NO_MMPROJ_HINT, VL_ARCHITECTURES, find_mmproj, qwen3_vl_from_pair
+from .gguf_vl import NO_MMPROJ_HINT, VL_ARCHITECTURES, MmprojFile, find_mmproj, qwen3_vl_from_pair
 from .phases import Phases
 from .names import EXPERT_PROJECTIONS, gguf_experts, gguf_layer, gguf_model
 
@@ -273,4 +273,13 @@ def with_vision(path: str, cfg: Qwen3Config, text, meta: dict[str, Any], tokeniz
         log.warning("%s is the text model of a Qwen3-VL pair and no vision projector is loaded: text only; "
                     "image parts are refused until the server starts with --mmproj mmproj.gguf", path)
         return text, NO_MMPROJ_HINT
-    return qwen3_vl_from_pair(cfg, text, meta, tokenizer, mmproj, options), ""
+    return qwen3_vl_from_pair(cfg, text, meta, tokenizer, open_mmproj(mmproj), options), ""
+
+
+def open_mmproj(path: str) -> MmprojFile:
+    """A vision projector file (clip GGUF) over its own read-only mapping."""
+    try:
+        reader = open_gguf(path)
+    except (ValueError, OSError, IndexError, KeyError) as e:
+        raise ModelLoadError(f"cannot read the mmproj file {path}: {e}") from None
+    return MmprojFile(path, read_metadata(reader), GGUFModelFile(reader))

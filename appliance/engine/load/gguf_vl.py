@@ -69,17 +69,12 @@ def find_mmproj(model_path: str, given: str | None) -> str | None:
 
 
 class MmprojFile:
-    """An mmproj GGUF's metadata and tensors (the text loader's GGUFModelFile over its own mapping)."""
+    """An mmproj GGUF's metadata and tensors (gguf.open_mmproj reads it with the text loader's GGUFModelFile)."""
 
-    def __init__(self, path: str):
-        from .gguf import GGUFModelFile, open_gguf, read_metadata
-        try:
-            reader = open_gguf(path)
-        except (ValueError, OSError, IndexError, KeyError) as e:
-            raise ModelLoadError(f"cannot read the mmproj file {path}: {e}") from None
+    def __init__(self, path: str, meta: dict[str, Any], f):
         self.path = path
-        self.meta: dict[str, Any] = read_metadata(reader)
-        self.f = GGUFModelFile(reader)
+        self.meta = meta
+        self.f = f
 
     def key(self, name: str, default: Any = None) -> Any:
         v = self.meta.get(f"clip.vision.{name}", default)
@@ -162,7 +157,7 @@ def build_vision_tower(m: MmprojFile, cfg: VisionConfig, native: bool) -> Vision
                        [merger(i) for i in cfg.deepstack_visual_indexes], vision_ops(native))
 
 
-def qwen3_vl_from_pair(text_cfg, text, meta: dict[str, Any], tokenizer, mmproj: str, options: LoadOptions):
+def qwen3_vl_from_pair(text_cfg, text, meta: dict[str, Any], tokenizer, m: MmprojFile, options: LoadOptions):
     """The text decoder of a qwen3vl GGUF and its mmproj file -> Qwen3VLModel."""
     from appliance.native import kernels
 
@@ -172,7 +167,7 @@ def qwen3_vl_from_pair(text_cfg, text, meta: dict[str, Any], tokenizer, mmproj: 
     sections = [int(x) for x in meta.get(f"{arch}.rope.dimension_sections", ())]
     if len(sections) < 3 or any(sections[3:]) or sum(sections[:3]) != text_cfg.head_dim // 2:
         raise ValueError(f"{arch}.rope.dimension_sections {sections} do not cover head_dim {text_cfg.head_dim}")
-    m = MmprojFile(mmproj)
+    mmproj = m.path
     try:
         vcfg = vision_config(m)
         if vcfg.out_hidden_size != text_cfg.hidden_size:
