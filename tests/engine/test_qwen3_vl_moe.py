@@ -1,10 +1,8 @@
 """Qwen3-VL-MoE (Qwen3-VL-30B-A3B's architecture, `qwen3_vl_moe`) against transformers' float32
-Qwen3VLMoeForConditionalGeneration on a tiny random checkpoint (8 experts, top 2, one dense layer; the experts
+Qwen3VLMoeForConditionalGeneration on a tiny random checkpoint (8 experts, top 2, every layer sparse as in Qwen3-VL-30B-A3B; the experts
 fused as transformers saves them and, in a copy, transposed as the published files hold them; H != 2I so a
 wrong transpose cannot pass): prompt ids and 16 greedy tokens through the
 Engine for two non-square images in one message, and a text-only prompt."""
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -15,39 +13,13 @@ from appliance.engine.load import load_model
 from appliance.engine.qwen3_moe import SparseMoE
 from appliance.engine.qwen3_vl import expand_image_pads
 from appliance.engine.sampling import SamplingParams
-from tests.support.tiny_vl import build_qwen3_vl, image_bytes, reference_processor
+from tests.support.tiny_vl import cached_qwen3_vl_moe, image_bytes, published_layout, reference_processor
 
 IMAGE_PAD = 151655
-MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, decoder_sparse_step=1,
-           mlp_only_layers=[1])
 TWO_IMAGES = [{"role": "user", "content": [
     {"type": "text", "text": "Compare"}, {"type": "image_url", "image_url": {"url": "a"}},
     {"type": "text", "text": "with"}, {"type": "image_url", "image_url": {"url": "b"}},
     {"type": "text", "text": "please."}]}]
-
-
-def cached_qwen3_vl_moe(tmp_path_factory) -> str:
-    d = tmp_path_factory.getbasetemp() / "tiny-qwen3-vl-moe"
-    if not (d / "config.json").exists():
-        build_qwen3_vl(str(d) + ".tmp", seed=6, moe=MOE)
-        os.replace(str(d) + ".tmp", str(d))
-    return str(d)
-
-
-def published_layout(src: str, dst: str) -> str:
-    """A copy of the checkpoint with the experts as the published Qwen3-VL-MoE files hold them: gate_up_proj
-    (E, H, 2I), down_proj (E, I, H) (transformers transposes them back at load)."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    tensors = load_file(os.path.join(src, "model.safetensors"))
-    for name in list(tensors):
-        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
-            tensors[name] = tensors[name].transpose(1, 2).contiguous()
-    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-    return dst
 
 
 @pytest.fixture(scope="module", params=["saved", "published"])
@@ -79,7 +51,7 @@ def greedy(loaded, ids, images, n):
 
 def test_the_text_side_is_the_moe_block(loaded):
     mlps = [layer.mlp for layer in loaded.model.text.layers]
-    assert [isinstance(m, SparseMoE) for m in mlps] == [True, False, True]
+    assert [isinstance(m, SparseMoE) for m in mlps] == [True, True, True]
     assert loaded.config.model_type == "qwen3" and loaded.multimodal
 
 

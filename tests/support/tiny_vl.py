@@ -18,6 +18,7 @@ import sys
 from tests.support.tiny_models import FIXTURES, write_generation_config, write_tokenizer
 
 IMAGE_TOKEN_ID = 151655
+TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, decoder_sparse_step=1)
 
 
 def build_qwen3_vl(out_dir: str, *, hidden: int = 64, layers: int = 3, heads: int = 4, kv_heads: int = 2,
@@ -124,6 +125,29 @@ def cached_qwen3_vl(tmp_path_factory) -> str:
         build_qwen3_vl(str(d) + ".tmp", seed=3)
         os.replace(str(d) + ".tmp", str(d))
     return str(d)
+
+
+def cached_qwen3_vl_moe(tmp_path_factory) -> str:
+    """A tiny random Qwen3-VL-MoE (TINY_MOE: every layer sparse, H != 2I), built once per test session."""
+    d = tmp_path_factory.getbasetemp() / "tiny-qwen3-vl-moe"
+    if not (d / "config.json").exists():
+        build_qwen3_vl(str(d) + ".tmp", seed=6, moe=TINY_MOE)
+        os.replace(str(d) + ".tmp", str(d))
+    return str(d)
+
+
+def published_layout(src: str, dst: str) -> str:
+    """A copy of the checkpoint with the experts as the published Qwen3-VL-MoE files hold them: gate_up_proj
+    (E, H, 2I), down_proj (E, I, H) (transformers transposes them back at load)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    for name in list(tensors):
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    return dst
 
 
 def image_bytes(width: int, height: int, fmt: str = "PNG", mode: str = "RGB", seed: int = 0, **save) -> bytes:

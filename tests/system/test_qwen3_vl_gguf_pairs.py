@@ -1,7 +1,8 @@
 """llama.cpp's Qwen3-VL pairs (text GGUF + mmproj GGUF) made by llama.cpp's own converter, served by the CLI.
 
 A tiny random Qwen3-VL (transformers, real tokenizer; tests/support/tiny_vl.py) is converted by the peer's
-vendored convert_hf_to_gguf.py to F32, F16 and Q8_0 text files and mmproj files. On each pair our server, over
+vendored convert_hf_to_gguf.py to F32, F16 and Q8_0 text files and mmproj files, a tiny Qwen3-VL-MoE to F32 and
+Q8_0 ones (`qwen3vlmoe`). On each pair our server, over
 HTTP with the openai client, must give the prompt ids transformers' processor gives for one message with two
 non-square images (the image bounds are llama.cpp's: at least 8 merged tokens; --image-max-pixels caps the top,
 and the reference processor is given the same bounds). Greedy tokens: identical to transformers (float32 on
@@ -30,12 +31,15 @@ from tests.support.llama_convert import convert_hf
 from tests.support.tiny_vl import (
     build_qwen3_vl,
     cached_qwen3_vl,
+    cached_qwen3_vl_moe,
     image_bytes,
+    published_layout,
     reference_processor,
     write_preprocessor_config,
 )
 
 KINDS = ("f32", "f16", "q8_0")
+MOE_KINDS = ("f32", "q8_0")  # Qwen3-VL-MoE (qwen3vlmoe text + its mmproj)
 LOGPROB_TOL = {"f16": 0.05, "q8_0": 0.5}  # nats below transformers' best token at a step (see the docstring)
 MIN_PIXELS, MAX_PIXELS = 8 * 32 * 32, 32 * 32 * 64  # llama.cpp's lower bound for Qwen3-VL; our --image-max-pixels
 IMAGES = (image_bytes(300, 200, "PNG", seed=21), image_bytes(120, 250, "JPEG", seed=22))  # 54 and 32 tokens
@@ -59,20 +63,45 @@ def vl_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def pairs(vl_dir, tmp_path_factory):
+def moe_dir(tmp_path_factory):
+    """The tiny Qwen3-VL-MoE with its experts as published (llama.cpp's converter reads that layout only)."""
+    return published_layout(cached_qwen3_vl_moe(tmp_path_factory), str(tmp_path_factory.mktemp("moe") / "m"))
+
+
+def convert_pairs(src: str, kinds, tmp_path_factory, stem: str) -> dict:
     """{kind: (text.gguf, mmproj.gguf)}, each pair alone in its directory, converted by llama.cpp."""
     out = {}
-    for kind in KINDS:
-        d = tmp_path_factory.mktemp(f"pair-{kind}")
-        out[kind] = (convert_hf(vl_dir, str(d / f"tiny-vl-{kind}.gguf"), kind),
-                     convert_hf(vl_dir, str(d / f"mmproj-tiny-vl-{kind}.gguf"), kind, mmproj=True))
+    for kind in kinds:
+        d = tmp_path_factory.mktemp(f"{stem}-{kind}")
+        out[kind] = (convert_hf(src, str(d / f"{stem}-{kind}.gguf"), kind),
+                     convert_hf(src, str(d / f"mmproj-{stem}-{kind}.gguf"), kind, mmproj=True))
     return out
 
 
 @pytest.fixture(scope="module")
+def pairs(vl_dir, tmp_path_factory):
+    return convert_pairs(vl_dir, KINDS, tmp_path_factory, "tiny-vl")
+
+
+@pytest.fixture(scope="module")
+def moe_pairs(moe_dir, tmp_path_factory):
+    return convert_pairs(moe_dir, MOE_KINDS, tmp_path_factory, "tiny-vl-moe")
+
+
+@pytest.fixture(scope="module")
 def reference(vl_dir, tmp_path_factory):
-    """transformers on the checkpoint in float32: (prompt ids, greedy ids, logprobs(ids) -> per-step arrays)."""
     from transformers import Qwen3VLForConditionalGeneration
+    return transformers_reference(vl_dir, Qwen3VLForConditionalGeneration, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def moe_reference(moe_dir, tmp_path_factory):
+    from transformers import Qwen3VLMoeForConditionalGeneration
+    return transformers_reference(moe_dir, Qwen3VLMoeForConditionalGeneration, tmp_path_factory)
+
+
+def transformers_reference(vl_dir: str, model_cls, tmp_path_factory):
+    """transformers on the checkpoint in float32: (prompt ids, greedy ids, logprobs(ids) -> per-step arrays)."""
     from transformers.image_utils import load_image
 
     ref_dir = tmp_path_factory.mktemp("reference-processor")
@@ -82,7 +111,7 @@ def reference(vl_dir, tmp_path_factory):
     proc = reference_processor(str(ref_dir))
     text = proc.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     inputs = proc(text=[text], images=[load_image(p["image_url"]["url"]) for p in MESSAGES[0]["content"][1:3]], return_tensors="pt")
-    model = Qwen3VLForConditionalGeneration.from_pretrained(vl_dir, dtype=torch.float32).eval()
+    model = model_cls.from_pretrained(vl_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=N_TOKENS, min_new_tokens=N_TOKENS, do_sample=False)
     prompt = inputs["input_ids"][0].tolist()
@@ -124,7 +153,16 @@ def served_tokens(port: int) -> tuple[list[int], list[int], str]:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_pair_prompt_ids_and_greedy_tokens_against_transformers(kind, pairs, reference, cli_server):
-    text_path, mmproj_path = pairs[kind]
+    check_pair(pairs[kind], kind, reference, cli_server)
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_moe_pair_prompt_ids_and_greedy_tokens_against_transformers(kind, moe_pairs, moe_reference, cli_server):
+    check_pair(moe_pairs[kind], kind, moe_reference, cli_server)
+
+
+def check_pair(pair, kind, reference, cli_server):
+    text_path, mmproj_path = pair
     ref_prompt, ref_greedy, logprobs = reference
     proc, port = cli_server(text_path, "--mmproj", mmproj_path, "--ctx", "512",
                             "--image-max-pixels", str(MAX_PIXELS), "--prefill-chunk", "64")

@@ -1,5 +1,6 @@
-"""GGUF files (llama.cpp's container) -> decoder objects: qwen3, qwen2, llama, qwen3moe and qwen3vl architectures
-(qwen3vl: the Qwen3 decoder, with its mmproj vision projector when there is one: gguf_vl.py).
+"""GGUF files (llama.cpp's container) -> decoder objects: qwen3, qwen2, llama, qwen3moe, qwen3vl and qwen3vlmoe
+architectures (qwen3vl/qwen3vlmoe: the Qwen3 / Qwen3-MoE decoder, with its mmproj vision projector when there is
+one: gguf_vl.py).
 
 Policies:
 - The file is memory-mapped (gguf_file.GGUFFile, GGUFReader's view of it) and the weights stay in their stored form:
@@ -15,12 +16,12 @@ Policies:
   scaling, partial rotary dimensions, non-BPE tokenizers; a weight of a type the kernels do not serve (IQ1/IQ2/
   IQ3 grids, TQ, MXFP4, ...) is an UnsupportedTensorType naming the tensor and its type (at load, when
   the weight is wrapped; nothing is computed first).
-- Mixture of experts (`qwen3moe`): `blk.N.ffn_{gate,up,down}_exps.weight` hold all experts of a layer in one
-  tensor (ne = [in, out, E]); each expert is a zero-copy slice of the mapped block data wrapped in QuantWeight
-  (never rearranged into a copy), so decode reads only the routed experts' bytes and resident memory follows
-  the experts in use. A layer is sparse when it has a router (`ffn_gate_inp`), dense otherwise. llama.cpp
-  always renormalises the top-k weights for qwen3moe, so the file's MoE config says norm_topk_prob=True unless
-  the file states `expert_weights_norm`.
+- Mixture of experts (`qwen3moe`, `qwen3vlmoe`): `blk.N.ffn_{gate,up,down}_exps.weight` hold all experts of a
+  layer in one tensor (ne = [in, out, E]); each expert is a zero-copy slice of the mapped block data wrapped in
+  QuantWeight (never rearranged into a copy), so decode reads only the routed experts' bytes and resident memory
+  follows the experts in use. A layer is sparse when it has a router (`ffn_gate_inp`), dense otherwise.
+  llama.cpp always renormalises the top-k weights for qwen3moe and qwen3vlmoe, so the file's MoE config says
+  norm_topk_prob=True unless the file states `expert_weights_norm`.
 """
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ from .phases import Phases
 from .names import EXPERT_PROJECTIONS, gguf_experts, gguf_layer, gguf_model
 
 log = logging.getLogger("appliance.load")
-SUPPORTED_ARCHITECTURES = ("qwen3", "qwen2", "llama", "qwen3moe", "qwen3vl")
+SUPPORTED_ARCHITECTURES = ("qwen3", "qwen2", "llama", "qwen3moe", "qwen3vl", "qwen3vlmoe")
+MOE_ARCHITECTURES = ("qwen3moe", "qwen3vlmoe")
 # GGUF general.sampling.* -> generation_config.json names (what LoadedModel.default_sampling holds)
 SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
                  "penalty_repeat": "repetition_penalty"}
@@ -150,7 +152,7 @@ def config_from_metadata(meta: dict[str, Any], f: GGUFModelFile) -> Qwen3Config:
 
 def build_model(cfg: Qwen3Config, f: GGUFModelFile, meta: dict[str, Any] | None = None) -> qwen3.Qwen3Model:
     """The decoder over GGUF tensor names (blk.N.attn_q.weight, ...)."""
-    moe = moe_config_from_metadata(meta, cfg.model_type) if cfg.model_type == "qwen3moe" else None
+    moe = moe_config_from_metadata(meta or {}, cfg.model_type) if cfg.model_type in MOE_ARCHITECTURES else None
     stats = ExpertLoadStats()
     permuted = cfg.model_type == "llama"
     q_order = unpermute_rows(cfg.num_attention_heads * cfg.head_dim, cfg.num_attention_heads) if permuted else None

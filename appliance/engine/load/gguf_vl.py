@@ -1,4 +1,5 @@
-"""llama.cpp's Qwen3-VL pairs: a text GGUF (`general.architecture = qwen3vl`) plus its vision projector, an
+"""llama.cpp's Qwen3-VL pairs: a text GGUF (`general.architecture = qwen3vl`, or `qwen3vlmoe` for Qwen3-VL-MoE:
+the text side's MLPs are then gguf.py's MoE blocks) plus its vision projector, an
 mmproj GGUF (`general.architecture = clip`, `clip.projector_type = qwen3vl_merger`), onto the Qwen3-VL engine
 (qwen3_vl.Qwen3VLModel over the Qwen3 decoder and vision.VisionTower).
 
@@ -43,7 +44,7 @@ from . import LoadOptions, MismatchedPair, ModelLoadError
 from .names import VISION_BLOCK_TENSORS, VISION_PATCH, VISION_POS, gguf_merger, gguf_vision_block
 
 log = logging.getLogger("appliance.load")
-VL_ARCHITECTURES = ("qwen3vl",)
+VL_ARCHITECTURES = ("qwen3vl", "qwen3vlmoe")
 PROJECTOR = "qwen3vl_merger"
 VISION_ROPE_THETA = 10000.0  # mtmd's qwen3vl graph (the file does not say)
 MIN_IMAGE_TOKENS, MAX_IMAGE_TOKENS = 8, 4096  # mtmd's bounds for the Qwen-VL projectors (merged tokens)
