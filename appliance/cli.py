@@ -34,7 +34,7 @@ log = logging.getLogger("appliance")
 
 class CliError(Exception):
     """A user-facing failure: printed as one line, exit status `status` (1; 2 for a model file holding a tensor
-    type the kernels do not serve)."""
+    type the kernels do not serve, or an mmproj file that is not the text model's pair)."""
 
     def __init__(self, message: str, status: int = 1):
         super().__init__(message)
@@ -42,8 +42,8 @@ class CliError(Exception):
 
 
 def load_failure_status(err: BaseException | None) -> int:
-    from .engine.load import UnsafeTemplate, UnsupportedTensorType
-    return 2 if isinstance(err, (UnsupportedTensorType, UnsafeTemplate)) else 1
+    from .engine.load import MismatchedPair, UnsafeTemplate, UnsupportedTensorType
+    return 2 if isinstance(err, (UnsupportedTensorType, UnsafeTemplate, MismatchedPair)) else 1
 
 
 class VersionAction(argparse.Action):
@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="send the chat.completion.metrics / .tokens events on every stream by default")
     s.add_argument("--image-dir", action="append", default=[], metavar="DIR",
                    help="allow image_url file paths under DIR (repeatable; default: data: URIs only)")
+    p.add_argument("--mmproj", metavar="PATH",
+                   help="a Qwen3-VL .gguf text model's vision projector (llama.cpp's mmproj-*.gguf; default: the "
+                        "one mmproj*.gguf beside the model, if there is exactly one)")
     s.add_argument("--image-max-pixels", type=int, metavar="N",
                    help="resize images to at most N pixels (default: the model's preprocessor_config.json)")
     s.add_argument("--board-name", metavar="NAME",
@@ -193,7 +196,7 @@ def load_options(args: argparse.Namespace):
                        kv_type=args.kv_type, cache_ram_mb=args.cache_ram, prefix_reuse=not args.no_prefix_cache,
                        prompt_cache_dir=args.prompt_cache_dir,
                        moe_release_pages=args.moe_release_pages, image_max_pixels=args.image_max_pixels,
-                       max_resident_mib=args.max_resident)
+                       max_resident_mib=args.max_resident, mmproj=args.mmproj)
 
 
 def _load(args: argparse.Namespace, serving: bool = False):

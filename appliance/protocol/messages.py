@@ -28,7 +28,8 @@ def part_param(part: dict[str, Any], default: str) -> str:
     return given if isinstance(given, str) else default
 
 
-def _content(msg: dict[str, Any], p: str, role: str, images_supported: bool) -> str | list[dict[str, Any]]:
+def _content(msg: dict[str, Any], p: str, role: str, images_supported: bool,
+             images_hint: str = "") -> str | list[dict[str, Any]]:
     c = msg.get("content")
     if c is None:
         if role == "assistant" and msg.get("tool_calls"):
@@ -50,7 +51,8 @@ def _content(msg: dict[str, Any], p: str, role: str, images_supported: bool) -> 
         elif kind in IMAGE_PART_TYPES:
             if not images_supported:
                 raise invalid(pp, f"Invalid content part '{pp}': this model does not accept images; "
-                                  f"send text parts only.", code="unsupported_content")
+                                  + (f"{images_hint}." if images_hint else "send text parts only."),
+                              code="unsupported_content")
             if role != "user":
                 raise invalid(pp, f"Invalid content part '{pp}': images are only accepted in user messages.",
                               code="unsupported_content")
@@ -87,7 +89,7 @@ def _tool_calls(msg: dict[str, Any], p: str) -> list[dict[str, Any]]:
     return out
 
 
-def normalize_messages(raw: Any, *, images_supported: bool = False) -> list[dict[str, Any]]:
+def normalize_messages(raw: Any, *, images_supported: bool = False, images_hint: str = "") -> list[dict[str, Any]]:
     check_type(raw, "array", "messages")
     if not raw:
         raise invalid("messages", "'messages' must contain at least one message.", code="empty_array")
@@ -100,7 +102,7 @@ def normalize_messages(raw: Any, *, images_supported: bool = False) -> list[dict
             raise invalid(f"{p}.role", f"Invalid value for '{p}.role': '{role}'. Supported values are: "
                                        + ", ".join(f"'{r}'" for r in ROLES) + ".", code="invalid_value")
         m: dict[str, Any] = {"role": "system" if role == "developer" else role,
-                             "content": _content(msg, p, role, images_supported)}
+                             "content": _content(msg, p, role, images_supported, images_hint)}
         name = get(msg, "name", "string", f"{p}.name")
         if name is not None:
             m["name"] = name

@@ -207,19 +207,20 @@ def _common(data: Mapping[str, Any], defaults, context_length, messages, tools) 
 
 
 def parse_ollama_chat(body: bytes, *, defaults: Mapping[str, Any] | None = None, context_length: int | None = None,
-                      images_supported: bool = False) -> OllamaRequest:
+                      images_supported: bool = False, images_hint: str = "") -> OllamaRequest:
     data = load_json_object(body)
     raw = data.get("messages")
     if raw is None or raw == []:
         base = _common(data, defaults, context_length, [], None)
         return replace(base, load_only=True)
-    messages = normalize_messages(to_openai_messages(raw), images_supported=images_supported)
+    messages = normalize_messages(to_openai_messages(raw), images_supported=images_supported, images_hint=images_hint)
     tools = normalize_tools(data.get("tools"))
     return _common(data, defaults, context_length, messages, tools)
 
 
 def parse_ollama_generate(body: bytes, *, defaults: Mapping[str, Any] | None = None,
-                          context_length: int | None = None, images_supported: bool = False) -> OllamaRequest:
+                          context_length: int | None = None, images_supported: bool = False,
+                          images_hint: str = "") -> OllamaRequest:
     data = load_json_object(body)
     prompt = get(data, "prompt", "string", default="")
     system = get(data, "system", "string")
@@ -247,6 +248,6 @@ def parse_ollama_generate(body: bytes, *, defaults: Mapping[str, Any] | None = N
             messages.append({"role": "system", "content": system})
         messages.append({"role": "user", "content": images + [{"type": "text", "text": prompt}] if images
                          else prompt})
-        messages = normalize_messages(messages, images_supported=images_supported)
+        messages = normalize_messages(messages, images_supported=images_supported, images_hint=images_hint)
     base = _common(data, defaults, context_length, messages, None)
     return replace(base, raw=raw, prompt=prompt, context=tuple(context), load_only=load_only)

@@ -166,11 +166,11 @@ def _common_rejects(body: Mapping[str, Any]) -> None:
 
 def parse_chat_request(body: bytes, *, defaults: Mapping[str, Any] | None = None,
                        context_length: int | None = None, images_supported: bool = False,
-                       stream_extensions: bool = False) -> ChatRequest:
+                       stream_extensions: bool = False, images_hint: str = "") -> ChatRequest:
     data = load_json_object(body)
     if data.get("messages") is None:
         _missing("messages")
-    messages = normalize_messages(data["messages"], images_supported=images_supported)
+    messages = normalize_messages(data["messages"], images_supported=images_supported, images_hint=images_hint)
     _common_rejects(data)
     model = get(data, "model", "string")
     max_tokens = _max_tokens(data, context_length, None)

@@ -190,7 +190,8 @@ def _reasoning(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
 
 
 def parse_responses_request(body: bytes, *, defaults: Mapping[str, Any] | None = None,
-                            context_length: int | None = None, images_supported: bool = False) -> ResponsesRequest:
+                            context_length: int | None = None, images_supported: bool = False,
+                            images_hint: str = "") -> ResponsesRequest:
     data = load_json_object(body)
     for key in ("previous_response_id", "conversation"):
         if data.get(key) is not None:
@@ -204,7 +205,8 @@ def parse_responses_request(body: bytes, *, defaults: Mapping[str, Any] | None =
     if data.get("input") is None:
         raise invalid("input", "Missing required parameter: 'input'.", code="missing_required_parameter")
     instructions = get(data, "instructions", "string")
-    messages = normalize_messages(to_chat_messages(data["input"], instructions), images_supported=images_supported)
+    messages = normalize_messages(to_chat_messages(data["input"], instructions), images_supported=images_supported,
+                                  images_hint=images_hint)
     model = get(data, "model", "string")
     max_tokens = get(data, "max_output_tokens", "integer")
     if max_tokens is not None:

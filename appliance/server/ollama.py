@@ -197,7 +197,8 @@ class OllamaApi:
         body = await ex.read_body()
         o = await self.prep.prepare(lambda: parse(body, defaults=loaded.default_sampling,
                                                  context_length=loaded.context_length,
-                                                 images_supported=loaded.multimodal))
+                                                 images_supported=loaded.multimodal,
+                                                 images_hint=loaded.images_hint))
         if o.load_only:
             await self.prep.send_json(ex, load_response(self.name, chat=parse is parse_ollama_chat, unload=o.unload,
                                                        now=rfc3339()))

@@ -50,6 +50,7 @@ class OpenAiApi:
         req: ChatRequest = parse_chat_request(body, defaults=loaded.default_sampling,
                                               context_length=loaded.context_length,
                                               images_supported=loaded.multimodal,
+                                              images_hint=loaded.images_hint,
                                               stream_extensions=prep.cfg.extension_events)
         req = prep.fit_tools(loaded, req)
         prompt, ids = prep.render_prompt(loaded, req, len(body))

@@ -30,7 +30,7 @@ class ResponsesApi:
         """Worker thread: body -> (parsed request, prompt text, prompt ids, constraint)."""
         prep = self.prep
         r = parse_responses_request(body, defaults=loaded.default_sampling, context_length=loaded.context_length,
-                                    images_supported=loaded.multimodal)
+                                    images_supported=loaded.multimodal, images_hint=loaded.images_hint)
         r = replace(r, request=prep.fit_tools(loaded, r.request))
         prompt, ids = prep.render_prompt(loaded, r.request, len(body))
         param = "tools" if r.request.tool_choice in ("required", "function") or r.request.tool_format == "generic" \

@@ -107,6 +107,21 @@ def test_image_parts_kept_when_the_model_takes_images():
                                         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]
 
 
+def test_image_parts_refused_with_the_models_hint():
+    msg = [{"role": "user", "content": [{"type": "text", "text": "what is"},
+                                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}]
+    with pytest.raises(ApiError) as plain:
+        chat({"messages": msg})
+    assert plain.value.message == ("Invalid content part 'messages[0].content[1]': this model does not accept "
+                                   "images; send text parts only.")
+    with pytest.raises(ApiError) as hinted:
+        chat({"messages": msg}, images_hint="start the server with --mmproj mmproj.gguf to send images")
+    assert hinted.value.message == ("Invalid content part 'messages[0].content[1]': this model does not accept "
+                                    "images; start the server with --mmproj mmproj.gguf to send images.")
+    assert hinted.value.status == 400 and hinted.value.param == "messages[0].content[1]"
+    assert hinted.value.code == "unsupported_content"
+
+
 def test_completion_prompts():
     assert comp({"prompt": "Once"}).prompt == "Once"
     assert comp({"prompt": ["Once"]}).prompt == "Once"

@@ -18,17 +18,22 @@ import sys
 from tests.support.tiny_models import FIXTURES, write_generation_config, write_tokenizer
 
 IMAGE_TOKEN_ID = 151655
+TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, decoder_sparse_step=1)
 
 
 def build_qwen3_vl(out_dir: str, *, hidden: int = 64, layers: int = 3, heads: int = 4, kv_heads: int = 2,
                    head_dim: int = 32, intermediate: int = 128, mrope_section=(6, 5, 5),
                    vision_hidden: int = 32, vision_heads: int = 2, vision_depth: int = 4, vision_intermediate: int = 64,
                    deepstack=(0, 2), num_position_embeddings: int = 64, tie: bool = True, seed: int = 0,
-                   min_pixels: int = 32 * 32 * 4, max_pixels: int = 32 * 32 * 64, init_std: float = 0.2) -> str:
+                   min_pixels: int = 32 * 32 * 4, max_pixels: int = 32 * 32 * 64, init_std: float = 0.2,
+                   moe: dict | None = None) -> str:
     """A tiny random Qwen3VLForConditionalGeneration saved in bf16. init_std is large so logits are far from
-    uniform; norms are random so a missing weight would show."""
+    uniform; norms are random so a missing weight would show. `moe` (num_experts, num_experts_per_tok,
+    moe_intermediate_size, decoder_sparse_step...) makes it a Qwen3VLMoeForConditionalGeneration instead
+    (Qwen3-VL-30B-A3B's architecture; its experts saved fused, as published)."""
     import torch
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers import (Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLMoeConfig,
+                              Qwen3VLMoeForConditionalGeneration)
 
     os.makedirs(out_dir, exist_ok=True)
     torch.manual_seed(seed)
@@ -42,8 +47,12 @@ def build_qwen3_vl(out_dir: str, *, hidden: int = 64, layers: int = 3, heads: in
                   num_heads=vision_heads, in_channels=3, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
                   out_hidden_size=hidden, num_position_embeddings=num_position_embeddings,
                   deepstack_visual_indexes=list(deepstack), hidden_act="gelu_pytorch_tanh", initializer_range=init_std)
-    cfg = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie)
-    model = Qwen3VLForConditionalGeneration(cfg)
+    if moe is not None:
+        cfg = Qwen3VLMoeConfig(text_config={**text, **moe}, vision_config=vision, tie_word_embeddings=tie)
+        model = Qwen3VLMoeForConditionalGeneration(cfg)
+    else:
+        cfg = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie)
+        model = Qwen3VLForConditionalGeneration(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith("norm1.weight") or name.endswith("norm2.weight"):
@@ -52,6 +61,8 @@ def build_qwen3_vl(out_dir: str, *, hidden: int = 64, layers: int = 3, heads: in
                 p.copy_(0.1 * torch.randn_like(p))
             elif name.endswith("pos_embed.weight"):
                 p.copy_(0.5 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):  # a router: decided choices, not near-ties
+                p.copy_(1.0 * torch.randn_like(p))
     model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
     write_tokenizer(out_dir)
     write_generation_config(out_dir)
@@ -114,6 +125,29 @@ def cached_qwen3_vl(tmp_path_factory) -> str:
         build_qwen3_vl(str(d) + ".tmp", seed=3)
         os.replace(str(d) + ".tmp", str(d))
     return str(d)
+
+
+def cached_qwen3_vl_moe(tmp_path_factory) -> str:
+    """A tiny random Qwen3-VL-MoE (TINY_MOE: every layer sparse, H != 2I), built once per test session."""
+    d = tmp_path_factory.getbasetemp() / "tiny-qwen3-vl-moe"
+    if not (d / "config.json").exists():
+        build_qwen3_vl(str(d) + ".tmp", seed=6, moe=TINY_MOE)
+        os.replace(str(d) + ".tmp", str(d))
+    return str(d)
+
+
+def published_layout(src: str, dst: str) -> str:
+    """A copy of the checkpoint with the experts as the published Qwen3-VL-MoE files hold them: gate_up_proj
+    (E, H, 2I), down_proj (E, I, H) (transformers transposes them back at load)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    for name in list(tensors):
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    return dst
 
 
 def image_bytes(width: int, height: int, fmt: str = "PNG", mode: str = "RGB", seed: int = 0, **save) -> bytes:

@@ -3,7 +3,8 @@
 Policies:
 - Models load from local paths only. Every problem with the path or the checkpoint is a ModelLoadError with
   a one-line message (the CLI prints it and exits non-zero: 2 for an UnsupportedTensorType, a file holding a
-  tensor type the kernels do not serve, 1 otherwise).
+  tensor type the kernels do not serve, and a MismatchedPair, an mmproj file that is not the text model's; 1
+  otherwise).
 - Everything a deployment chooses at load time travels in one LoadOptions, passed into loading; nothing is
   set on the loaded model afterwards. The format loaders build (config, model, tokenizer, template, eos ids,
   default sampling); `finish` is the one shared tail that applies the options and builds the Engine.
@@ -50,6 +51,10 @@ class UnsafeTemplate(ModelLoadError):
     """The model's chat template broke the sandbox or its budget when rendered at load (chat_template.vet)."""
 
 
+class MismatchedPair(ModelLoadError):
+    """A vision projector (mmproj file) that does not belong to the text model: another width, projector, ..."""
+
+
 @dataclass(frozen=True)
 class LoadOptions:
     """Deployment choices made at load time (the CLI's flags; tests pass a few)."""
@@ -64,6 +69,7 @@ class LoadOptions:
     image_max_pixels: int | None = None  # multimodal: cap on resized image pixels (lowers the model's own bound)
     max_resident_mib: int | None = None  # dense: keep at most this many MiB of mapped weights resident (resident.py)
     spec: SpecOptions = SpecOptions()  # speculative decoding (drafts from the prompt by default)
+    mmproj: str | None = None  # GGUF Qwen3-VL: the vision projector file (None: the one mmproj*.gguf beside it)
 
 
 @dataclass
@@ -80,6 +86,7 @@ class LoadedModel:
     context_length: int = DEFAULT_CONTEXT
     eos_ids: set[int] = field(default_factory=set)
     multimodal: bool = False  # accepts image content parts
+    images_hint: str = ""  # not multimodal: what a refused image part is told (a VL text model without --mmproj)
     phases: Phases = field(default_factory=Phases)  # where the load's time went (phases.py)
 
 
@@ -92,6 +99,7 @@ class Checkpoint:
     chat_template: ChatTemplate
     eos_ids: set[int]
     default_sampling: dict
+    images_hint: str = ""  # see LoadedModel.images_hint
 
 
 def model_name(path: str) -> str:
@@ -119,6 +127,9 @@ def load_model(path: str, options: LoadOptions | None = None, **overrides) -> Lo
             raise ModelLoadError(f"not a model directory or .gguf file: {path}")
         from .gguf import read_gguf as read
     else:
+        if options.mmproj:
+            raise ModelLoadError("--mmproj goes with a .gguf text model; a Hugging Face directory holds its own "
+                                 "vision tower")
         from .hf import read_hf_dir as read
     phases.mark("imports (model code)")
     ckpt = read(path, options, phases)
@@ -217,4 +228,5 @@ def finish(path: str, ckpt: Checkpoint, options: LoadOptions, phases: Phases | N
     return LoadedModel(name=model_name(path), path=path, config=ckpt.config, model=ckpt.model,
                        tokenizer=ckpt.tokenizer, chat_template=ckpt.chat_template, engine=engine, options=options,
                        default_sampling=ckpt.default_sampling, context_length=ctx, eos_ids=ckpt.eos_ids,
-                       multimodal=getattr(ckpt.model, "multimodal", False), phases=phases)
+                       multimodal=getattr(ckpt.model, "multimodal", False), images_hint=ckpt.images_hint,
+                       phases=phases)

@@ -1,4 +1,6 @@
-"""GGUF files (llama.cpp's container) -> decoder objects: qwen3, qwen2, llama and qwen3moe architectures.
+"""GGUF files (llama.cpp's container) -> decoder objects: qwen3, qwen2, llama, qwen3moe, qwen3vl and qwen3vlmoe
+architectures (qwen3vl/qwen3vlmoe: the Qwen3 / Qwen3-MoE decoder, with its mmproj vision projector when there is
+one: gguf_vl.py).
 
 Policies:
 - The file is memory-mapped (gguf_file.GGUFFile, GGUFReader's view of it) and the weights stay in their stored form:
@@ -14,15 +16,16 @@ Policies:
   scaling, partial rotary dimensions, non-BPE tokenizers; a weight of a type the kernels do not serve (IQ1/IQ2/
   IQ3 grids, TQ, MXFP4, ...) is an UnsupportedTensorType naming the tensor and its type (at load, when
   the weight is wrapped; nothing is computed first).
-- Mixture of experts (`qwen3moe`): `blk.N.ffn_{gate,up,down}_exps.weight` hold all experts of a layer in one
-  tensor (ne = [in, out, E]); each expert is a zero-copy slice of the mapped block data wrapped in QuantWeight
-  (never rearranged into a copy), so decode reads only the routed experts' bytes and resident memory follows
-  the experts in use. A layer is sparse when it has a router (`ffn_gate_inp`), dense otherwise. llama.cpp
-  always renormalises the top-k weights for qwen3moe, so the file's MoE config says norm_topk_prob=True unless
-  the file states `expert_weights_norm`.
+- Mixture of experts (`qwen3moe`, `qwen3vlmoe`): `blk.N.ffn_{gate,up,down}_exps.weight` hold all experts of a
+  layer in one tensor (ne = [in, out, E]); each expert is a zero-copy slice of the mapped block data wrapped in
+  QuantWeight (never rearranged into a copy), so decode reads only the routed experts' bytes and resident memory
+  follows the experts in use. A layer is sparse when it has a router (`ffn_gate_inp`), dense otherwise.
+  llama.cpp always renormalises the top-k weights for qwen3moe and qwen3vlmoe, so the file's MoE config says
+  norm_topk_prob=True unless the file states `expert_weights_norm`.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -34,12 +37,15 @@ from ..config import Qwen3Config
 from ..quant_weights import QuantWeight
 from ..qwen3_moe import ExpertLoadStats, Experts, MoEConfig, SparseMoE
 from ..weights import DenseWeight
-from . import Checkpoint, LoadOptions, ModelLoadError, UnsafeTemplate, UnsupportedTensorType
+from . import Checkpoint, LoadOptions, MismatchedPair, ModelLoadError, UnsafeTemplate, UnsupportedTensorType
 from .gguf_file import GGUFFile
+from .gguf_vl import NO_MMPROJ_HINT, VL_ARCHITECTURES, MmprojFile, find_mmproj, qwen3_vl_from_pair
 from .names import EXPERT_PROJECTIONS, gguf_experts, gguf_layer, gguf_model
 from .phases import Phases
 
-SUPPORTED_ARCHITECTURES = ("qwen3", "qwen2", "llama", "qwen3moe")
+log = logging.getLogger("appliance.load")
+SUPPORTED_ARCHITECTURES = ("qwen3", "qwen2", "llama", "qwen3moe", "qwen3vl", "qwen3vlmoe")
+MOE_ARCHITECTURES = ("qwen3moe", "qwen3vlmoe")
 # GGUF general.sampling.* -> generation_config.json names (what LoadedModel.default_sampling holds)
 SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
                  "penalty_repeat": "repetition_penalty"}
@@ -146,7 +152,7 @@ def config_from_metadata(meta: dict[str, Any], f: GGUFModelFile) -> Qwen3Config:
 
 def build_model(cfg: Qwen3Config, f: GGUFModelFile, meta: dict[str, Any] | None = None) -> qwen3.Qwen3Model:
     """The decoder over GGUF tensor names (blk.N.attn_q.weight, ...)."""
-    moe = moe_config_from_metadata(meta or {}, cfg.model_type) if cfg.model_type == "qwen3moe" else None
+    moe = moe_config_from_metadata(meta or {}, cfg.model_type) if cfg.model_type in MOE_ARCHITECTURES else None
     stats = ExpertLoadStats()
     permuted = cfg.model_type == "llama"
     q_order = unpermute_rows(cfg.num_attention_heads * cfg.head_dim, cfg.num_attention_heads) if permuted else None
@@ -248,10 +254,36 @@ def read_gguf(path: str, options: LoadOptions, phases: Phases | None = None) -> 
         template = ChatTemplate(source, tokenizer.special_tokens)
         phases.mark("chat template")
         eos = eog_ids(meta)
-    except UnsupportedTensorType as e:
-        raise UnsupportedTensorType(f"cannot load {path}: {e}") from None
+        model, hint = with_vision(path, cfg, model, meta, tokenizer, options)
+        phases.mark("vision projector")
+    except (UnsupportedTensorType, MismatchedPair) as e:
+        raise type(e)(f"cannot load {path}: {e}") from None
     except UnsafeTemplateError as e:
         raise UnsafeTemplate(f"cannot load {path}: {e}") from None
     except (KeyError, ValueError, ChatTemplateError) as e:
         raise ModelLoadError(f"cannot load {path}: {e}") from None
-    return Checkpoint(cfg, model, tokenizer, template, eos, default_sampling(meta))
+    return Checkpoint(cfg, model, tokenizer, template, eos, default_sampling(meta), images_hint=hint)
+
+
+def with_vision(path: str, cfg: Qwen3Config, text, meta: dict[str, Any], tokenizer, options: LoadOptions):
+    """(model, images_hint): a qwen3vl text model with its mmproj pair (gguf_vl.py), or the text model alone
+    (and the hint a refused image part gets); other architectures refuse --mmproj."""
+    if cfg.model_type not in VL_ARCHITECTURES:
+        if options.mmproj:
+            raise ValueError(f"--mmproj goes with a Qwen3-VL text model; this one is {cfg.model_type!r}")
+        return text, ""
+    mmproj = find_mmproj(path, options.mmproj)
+    if mmproj is None:
+        log.warning("%s is the text model of a Qwen3-VL pair and no vision projector is loaded: text only; "
+                    "image parts are refused until the server starts with --mmproj mmproj.gguf", path)
+        return text, NO_MMPROJ_HINT
+    return qwen3_vl_from_pair(cfg, text, meta, tokenizer, open_mmproj(mmproj), options), ""
+
+
+def open_mmproj(path: str) -> MmprojFile:
+    """A vision projector file (clip GGUF) over its own read-only mapping."""
+    try:
+        reader = open_gguf(path)
+    except (ValueError, OSError, IndexError, KeyError) as e:
+        raise ModelLoadError(f"cannot read the mmproj file {path}: {e}") from None
+    return MmprojFile(path, read_metadata(reader), GGUFModelFile(reader))

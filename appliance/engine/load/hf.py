@@ -1,5 +1,5 @@
-"""Hugging Face checkpoint directories -> decoder objects: dense Qwen3 / Qwen2 / Llama, Qwen3-MoE, Qwen3-VL
-(text decoder and vision tower).
+"""Hugging Face checkpoint directories -> decoder objects: dense Qwen3 / Qwen2 / Llama, Qwen3-MoE, Qwen3-VL and
+Qwen3-VL-MoE (text decoder and vision tower).
 
 Policy: checkpoint naming quirks live here, not in the model files. Architectures register a builder in
 ARCHITECTURES keyed by config.json's `model_type`; a builder gets the tensors, config.json and the LoadOptions
@@ -229,9 +229,51 @@ def _prefix(st: SafeTensors, *candidates: str) -> str:
     raise KeyError(f"no tensors under {' or '.join(candidates)}")
 
 
-def build_qwen3_vl(st: SafeTensors, cfg_dict: dict, options: LoadOptions = LoadOptions()):
+def vl_experts(st: SafeTensors, names: HFNames, i: int, moe: MoEConfig, hidden: int) -> Experts:
+    """Layer i's experts of a Qwen3-VL-MoE checkpoint, fused in one of two layouts: transformers-5's own
+    (gate_up_proj (E, 2I, H), down_proj (E, H, I): hf_experts reads it in place) or the published one, transposed
+    (gate_up_proj (E, H, 2I) with gate columns first, down_proj (E, I, H)), which transformers transposes at load
+    when the shape says so; we do the same, each expert's (out, in) matrix a copy in the stored dtype, once."""
+    n, two_i = moe.num_experts, 2 * moe.moe_intermediate_size
+    gu, gu_dt = st.raw(names.fused_experts(i, "gate_up"))
+    if gu.shape == (n, two_i, hidden):
+        return hf_experts(st, names, i, n)
+    if gu.shape != (n, hidden, two_i):
+        raise ValueError(f"{names.fused_experts(i, 'gate_up')} has shape {gu.shape}; expected "
+                         f"{(n, two_i, hidden)} or {(n, hidden, two_i)}")
+    dn, dn_dt = st.raw(names.fused_experts(i, "down"))  # (E, I, H)
+    half = two_i // 2
+
+    def t(a: np.ndarray, dt: str):
+        return expert_weight(np.ascontiguousarray(a.T), dt)  # (out, in)
+
+    return Experts([t(gu[j, :, :half], gu_dt) for j in range(n)], [t(gu[j, :, half:], gu_dt) for j in range(n)],
+                   [t(dn[j], dn_dt) for j in range(n)])
+
+
+def build_qwen3_vl_moe(st: SafeTensors, cfg_dict: dict, options: LoadOptions = LoadOptions()):
+    """Qwen3VLMoeForConditionalGeneration (Qwen3-VL-30B-A3B): the MoE block under the Qwen3-VL text side. Its
+    router always renormalises the top-k weights (the config does not say norm_topk_prob)."""
+    moe = MoEConfig.from_dict({**cfg_dict["text_config"], "norm_topk_prob": True})
+    stats = ExpertLoadStats()
+
+    def mlp(names: HFNames):
+        def mlp_for_layer(i: int):
+            if not moe.is_sparse(i):
+                return dense_mlp(st, names, i)
+            experts = vl_experts(st, names, i, moe, int(cfg_dict["text_config"]["hidden_size"]))
+            return SparseMoE(i, st.float32(names.layer(i, "router")), experts, moe, stats)
+        return mlp_for_layer
+
+    cfg, model = build_qwen3_vl(st, cfg_dict, options, mlp)
+    model.text.expert_stats, model.text.moe_config = stats, moe
+    return cfg, model
+
+
+def build_qwen3_vl(st: SafeTensors, cfg_dict: dict, options: LoadOptions = LoadOptions(), mlp=None):
     """A Hugging Face Qwen3VLForConditionalGeneration directory's tensors and config.json (the image
-    processor's settings come from preprocessor_config.json beside them, capped by options.image_max_pixels)."""
+    processor's settings come from preprocessor_config.json beside them, capped by options.image_max_pixels).
+    `mlp(names) -> mlp_for_layer` builds the text side's MLPs (dense SwiGLU by default; MoE for qwen3_vl_moe)."""
     text_d = dict(cfg_dict["text_config"])
     if "tie_word_embeddings" in cfg_dict:
         text_d["tie_word_embeddings"] = cfg_dict["tie_word_embeddings"]
@@ -242,7 +284,7 @@ def build_qwen3_vl(st: SafeTensors, cfg_dict: dict, options: LoadOptions = LoadO
     if sum(section) != cfg.head_dim // 2:
         raise ValueError(f"mrope_section {section} does not cover head_dim {cfg.head_dim}")
     names = HFNames(_prefix(st, "model.language_model.", "language_model.model.", "model."))
-    text = build_decoder(st, cfg, lambda i: dense_mlp(st, names, i), names)
+    text = build_decoder(st, cfg, mlp(names) if mlp else (lambda i: dense_mlp(st, names, i)), names)
     vcfg = VisionConfig.from_dict(cfg_dict["vision_config"])
     vision = build_vision(st, vcfg, _prefix(st, "model.visual.", "visual."))
     if vcfg.out_hidden_size != cfg.hidden_size:
@@ -310,4 +352,5 @@ def build_qwen3_5(st: SafeTensors, cfg_dict: dict, options: LoadOptions = LoadOp
 ARCHITECTURES: dict[str, Callable] = {"qwen3": build_qwen3, "qwen2": build_qwen3, "llama": build_qwen3,
                                       "qwen3_moe": build_qwen3_moe, "qwen3_vl": build_qwen3_vl,
                                       "qwen3_5": build_qwen3_5, "qwen3_5_moe": build_qwen3_5,
-                                      "qwen3_5_text": build_qwen3_5, "qwen3_5_moe_text": build_qwen3_5}
+                                      "qwen3_5_text": build_qwen3_5, "qwen3_5_moe_text": build_qwen3_5,
+                                      "qwen3_vl_moe": build_qwen3_vl_moe}

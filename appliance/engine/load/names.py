@@ -63,3 +63,26 @@ def gguf_model(role: str) -> str:
 def gguf_experts(i: int, proj: str) -> str:
     """All experts of layer i for one projection ('gate', 'up', 'down'), stacked."""
     return f"blk.{i}.ffn_{proj}_exps.weight"
+
+
+# ---- Qwen3-VL's vision tower: Hugging Face (under `model.visual.`) <-> llama.cpp's mmproj file (clip) -----------
+# role -> (Hugging Face name under `blocks.N.`, GGUF name under `v.blk.N.`); each has .weight and .bias
+VISION_BLOCK_TENSORS = {"norm1": ("norm1", "ln1"), "qkv": ("attn.qkv", "attn_qkv"), "proj": ("attn.proj", "attn_out"),
+                        "norm2": ("norm2", "ln2"), "fc1": ("mlp.linear_fc1", "ffn_up"),
+                        "fc2": ("mlp.linear_fc2", "ffn_down")}
+# the final merger: role -> (Hugging Face name under `merger.`, GGUF name); the DeepStack mergers
+# (`deepstack_merger_list.J.` <-> `v.deepstack.L.`, L the vision layer J follows) keep the same roles
+MERGER_TENSORS = {"norm": ("norm", "v.post_ln"), "fc1": ("linear_fc1", "mm.0"), "fc2": ("linear_fc2", "mm.2")}
+DEEPSTACK_TENSORS = {"norm": "norm", "fc1": "fc1", "fc2": "fc2"}
+# llama.cpp splits the Conv3d patch kernel (hidden, C, 2, p, p) into two Conv2d kernels along time:
+# v.patch_embd.weight is frame 0's (hidden, C, p, p), v.patch_embd.weight.1 frame 1's; one bias
+VISION_PATCH, VISION_POS = "v.patch_embd", "v.position_embd.weight"
+
+
+def gguf_vision_block(i: int, role: str) -> str:
+    return f"v.blk.{i}.{VISION_BLOCK_TENSORS[role][1]}"
+
+
+def gguf_merger(role: str, layer: int | None = None) -> str:
+    """The final merger's tensor (layer None) or the DeepStack merger after vision layer `layer`."""
+    return MERGER_TENSORS[role][1] if layer is None else f"v.deepstack.{layer}.{DEEPSTACK_TENSORS[role]}"
