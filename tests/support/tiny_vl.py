@@ -32,8 +32,12 @@ def build_qwen3_vl(out_dir: str, *, hidden: int = 64, layers: int = 3, heads: in
     moe_intermediate_size, decoder_sparse_step...) makes it a Qwen3VLMoeForConditionalGeneration instead
     (Qwen3-VL-30B-A3B's architecture; its experts saved fused, as published)."""
     import torch
-    from transformers import (Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLMoeConfig,
-                              Qwen3VLMoeForConditionalGeneration)
+    from transformers import (
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLMoeConfig,
+        Qwen3VLMoeForConditionalGeneration,
+    )
 
     os.makedirs(out_dir, exist_ok=True)
     torch.manual_seed(seed)
