@@ -323,9 +323,10 @@ async def serve(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
                     status = load_failure_status(err)
                     await server.shutdown(0)
                 else:
-                    log.info("model %s ready (context %d tokens)", model_name(args.model),
-                             worker.loaded.context_length)
-                    log.info("%s", startup_line(worker.loaded.phases))
+                    loaded = worker.loaded
+                    assert loaded is not None  # the state is "ready"
+                    log.info("model %s ready (context %d tokens)", model_name(args.model), loaded.context_length)
+                    log.info("%s", startup_line(loaded.phases))
                     start_done()
                     systemd.notify_ready(f"serving {model_name(args.model)} on "
                                          + ", ".join(host_port(args.host, p) for p in server.ports))

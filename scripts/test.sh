@@ -26,7 +26,8 @@ if [ $# -eq 0 ]; then
         || { echo "test.sh: FAILED: ruff (fix the findings above; \`ruff check --fix .\` sorts imports)" >&2; exit 1; }
     .venv/bin/python -m mypy \
         || { echo "test.sh: FAILED: mypy over appliance/ (the errors above)" >&2; exit 1; }
-    echo "test.sh: ruff + mypy $(( $(date +%s) - t_lint )) s"
+    stages="lint (ruff + mypy) $(( $(date +%s) - t_lint )) s"
+    echo "test.sh: $stages"
 fi
 
 # The full run (no arguments) first builds and smoke-tests the aarch64 executable boards run: built under qemu
@@ -49,12 +50,19 @@ if [ $# -eq 0 ] && [ "${KESTREL_AARCH64:-1}" != 0 ]; then
         sleep 30
     done
     t1=$(date +%s)
+    stages="${stages:+$stages, }aarch64 build $(( t1 - t0 )) s"
     echo "test.sh: aarch64 build $(( t1 - t0 )) s ($(grep -o 'build_aarch64: \[[0-9]*s\] [a-z]*' "$log" | tr '\n' ' '))"
     KESTREL_FROZEN_BINARY=dist/aarch64/kestrel-appliance .venv/bin/python -m pytest -q -p no:cacheprovider \
         tests/system/test_frozen_smoke.py \
         || { echo "test.sh: FAILED: aarch64 smoke test (tests/system/test_frozen_smoke.py under qemu)" >&2; exit 1; }
     t2=$(date +%s)
     deb=$(bash build/deb.sh --arch arm64 2>>"$log") || { echo "test.sh: FAILED: build/deb.sh --arch arm64" >&2; exit 1; }
+    stages="$stages, aarch64 smoke $(( t2 - t1 )) s"
     echo "test.sh: aarch64 smoke $(( t2 - t1 )) s; $(stat -c %s dist/aarch64/kestrel-appliance) bytes; $deb"
 fi
-exec .venv/bin/python -m pytest -q "$@"
+# The suite (its summary ends with the time per tier, tests/conftest.py), then every stage's time.
+t_suite=$(date +%s)
+rc=0
+.venv/bin/python -m pytest -q "$@" || rc=$?
+echo "test.sh: stage times: ${stages:+$stages, }suite $(( $(date +%s) - t_suite )) s (pytest exit $rc)"
+exit $rc

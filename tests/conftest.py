@@ -99,8 +99,23 @@ def scripted_qwen3(tmp_path_factory) -> str:
     return build_scripted_qwen3(str(tmp_path_factory.mktemp("scripted-qwen3")))
 
 
+TIER_SECONDS: dict[str, float] = {}  # each tier's setup + call + teardown time in this run (the CI budget)
+
+
+def pytest_runtest_logreport(report):
+    try:
+        tier = tier_of(report.location[0])
+    except pytest.UsageError:
+        return
+    TIER_SECONDS[tier] = TIER_SECONDS.get(tier, 0.0) + report.duration
+
+
 def pytest_terminal_summary(terminalreporter):
-    """Where the chat page's screenshots went (tests/system/test_web_chat.py), so a person can look at them."""
+    """Each tier's time (a session fixture counts where it is first built), and where the chat page's screenshots
+    went (tests/system/test_web_chat.py), so a person can look at them."""
+    if TIER_SECONDS:
+        terminalreporter.write_sep("-", "time per tier: " + ", ".join(
+            f"{t} {TIER_SECONDS[t]:.0f} s" for t in TIER_FOLDERS if t in TIER_SECONDS))
     from tests.support.browser import SCREENSHOTS
     if SCREENSHOTS:
         terminalreporter.write_sep("-", f"chat page screenshots in {os.path.dirname(SCREENSHOTS[0])}")

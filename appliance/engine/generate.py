@@ -35,6 +35,7 @@ from .text_stream import IncrementalDetokenizer, StopMatcher
 
 if TYPE_CHECKING:
     from .config import Qwen3Config
+    from .constraint import CompiledGrammar
     from .image_processing import ImageProcessor
     from .prompt_disk import PromptDiskCache
     from .qwen3_vl import PixelPatches
@@ -67,8 +68,8 @@ class GenerationRequest:
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
-    images: tuple = ()  # PixelPatches, one per image-pad run of prompt_ids, in order (models with `multimodal`)
-    constraint: Any = None  # constraint.CompiledGrammar: its start() masks each step (structured output)
+    images: tuple[PixelPatches, ...] = ()  # one per image-pad run of prompt_ids, in order (models with `multimodal`)
+    constraint: CompiledGrammar | None = None  # its start() masks each step (structured output)
 
 
 @dataclass

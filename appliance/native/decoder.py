@@ -157,6 +157,8 @@ class NativeDecoder:
                         h[...] = out  # (T, hidden): the C side keeps writing into h
                 if layer_done is not None:
                     layer_done(i)
+        if rc == -2:  # the first failing status, as kq_forward returns it
+            raise MemoryError("native forward: the native library could not allocate its scratch memory")
         if rc != 0:
             raise RuntimeError(f"native forward failed ({rc})")
         for ffn, on_counts in self._moe:  # each MoE layer ran once over the T tokens

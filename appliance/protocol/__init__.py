@@ -23,7 +23,49 @@ format is tested byte-for-byte without a server. appliance/h11_server.py is the 
                   message object and error shape
   prometheus.py   render_metrics (Prometheus text exposition)
 
-Every assembler has one interface, which generation.Generation drives: stream_headers; start() and finish()
--> the opening / closing events as a list (one bytes per event); token() -> one event's bytes (b"" when held
-back); keepalive(phase) and error_event(err) -> bytes; response() -> the non-stream body.
+Every assembler (assemble.py, ollama_stream.py, responses_stream.py) is an `Assembler`, below, the interface
+server/generation.py's Generation drives.
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal, Protocol, Sequence
+
+if TYPE_CHECKING:
+    from .errors import ApiError
+    from .logprobs import LogprobEntry
+    from .stats import GenerationStats
+
+Phase = Literal["queued", "prefill"]  # where a request waits for its first token (the keep-alive says which)
+ToolFormat = Literal["template", "generic"]  # how tool calls are written: the template's blocks, or generic JSON
+
+
+class Assembler(Protocol):
+    """One request's response in its API's shape, built from the engine's events."""
+
+    stream_headers: list[tuple[bytes, bytes]]  # the streamed response's headers (SSE or NDJSON)
+
+    def start(self) -> list[bytes]:
+        """The opening events of a stream (one bytes per event)."""
+        ...
+
+    def token(self, text: str, logprob: LogprobEntry | None = None) -> bytes:
+        """One token's event (b"" while its text is held back); the non-stream path ignores the bytes."""
+        ...
+
+    def keepalive(self, phase: Phase) -> bytes:
+        """What keeps a waiting stream alive (an SSE comment, an empty NDJSON line)."""
+        ...
+
+    def error_event(self, err: ApiError) -> bytes:
+        """An error after the stream began, in the API's own shape."""
+        ...
+
+    def finish(self, reason: str, text: str, stats: GenerationStats, prompt_ids: Sequence[int] = (),
+               completion_ids: Sequence[int] = ()) -> list[bytes]:
+        """The closing events of a stream, after the last token."""
+        ...
+
+    def response(self, reason: str, text: str, stats: GenerationStats,
+                 completion_ids: Sequence[int] = ()) -> dict[str, Any]:
+        """The non-stream body, after every token went through token()."""
+        ...

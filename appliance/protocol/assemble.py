@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+from appliance.protocol import Phase, ToolFormat
 from appliance.protocol.chunks import ChatChunks, CompletionChunks, chat_completion, new_completion_id, text_completion
+from appliance.protocol.errors import ApiError
 from appliance.protocol.logprobs import LogprobEntry
 from appliance.protocol.router import OutputRouter
 from appliance.protocol.sse import SSE_DONE, SSE_HEADERS, sse_comment, sse_event
@@ -27,11 +29,11 @@ class _Tail:
     """The closing events both endpoints share, and their SSE framing (other APIs' assemblers have their own)."""
     stream_headers = SSE_HEADERS
 
-    def keepalive(self, phase: str) -> bytes:
+    def keepalive(self, phase: Phase) -> bytes:
         """Sent while the request waits in the queue or in a long prefill."""
         return sse_comment(phase)
 
-    def error_event(self, err: Any) -> bytes:
+    def error_event(self, err: ApiError) -> bytes:
         """An error after the stream began (the openai client raises it as APIError)."""
         return sse_event(err.to_dict())
 
@@ -60,7 +62,7 @@ class ChatAssembler(_Tail):
     """`chunks.include_usage` decides the usage event (its chunks then carry "usage": null, as OpenAI's do)."""
 
     def __init__(self, chunks: ChatChunks, *, in_reasoning: bool = False, reasoning: bool = True,
-                 tools: bool = False, tool_format: str = "template", logprobs: bool = False,
+                 tools: bool = False, tool_format: ToolFormat = "template", logprobs: bool = False,
                  include_metrics: bool = False, include_tokens: bool = False,
                  new_id: Callable[[], str] = new_call_id):
         super().__init__(include_metrics, include_tokens)

@@ -21,6 +21,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any, Callable, Sequence
 
+from appliance.protocol import Phase, ToolFormat
 from appliance.protocol.errors import ApiError
 from appliance.protocol.logprobs import LogprobEntry
 from appliance.protocol.router import OutputRouter
@@ -80,7 +81,7 @@ class _OllamaAssembler:
     stream_headers = NDJSON_HEADERS
 
     def __init__(self, model: str, *, in_reasoning: bool = False, tools: bool = False,
-                 tool_format: str = "template", clock: Callable[[], str] = rfc3339,
+                 tool_format: ToolFormat = "template", clock: Callable[[], str] = rfc3339,
                  new_id: Callable[[], str] | None = None):
         self.model = model
         self.clock = clock
@@ -99,12 +100,15 @@ class _OllamaAssembler:
             return b""
         return ndjson_line({**self._head(), **self._part(r, c, calls), "done": False})
 
-    def keepalive(self, phase: str) -> bytes:
+    def keepalive(self, phase: Phase) -> bytes:
         """The line sent before prefill and as keep-alive: nothing generated yet."""
+        return self._nothing_yet()
+
+    def _nothing_yet(self) -> bytes:
         return ndjson_line({**self._head(), **self._part("", "", []), "done": False})
 
     def start(self) -> list[bytes]:
-        return [self.keepalive("start")]
+        return [self._nothing_yet()]
 
     def error_event(self, err: ApiError) -> bytes:
         return error_line(err.message)

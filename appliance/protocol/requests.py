@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, fields as dc_fields
 from typing import Any, Mapping
 
 from appliance.engine.sampling import SamplingParamError, SamplingParams
+from appliance.protocol import ToolFormat
 from appliance.protocol.errors import ApiError
 from appliance.protocol.fields import check_type, get, invalid, load_json_object
 from appliance.protocol.messages import normalize_messages, normalize_tools
@@ -62,7 +63,7 @@ class ChatRequest:
     ignore_eos: bool = False
     output_format: OutputFormat | None = None   # constrained decoding (json_object / json_schema / forced tools)
     parallel_tool_calls: bool | None = None     # as the request gave it (None: not given)
-    tool_format: str = "template"           # how calls are written: the template's <tool_call> blocks, or
+    tool_format: ToolFormat = "template"    # how calls are written: the template's <tool_call> blocks, or
                                             # "generic" (protocol/generic_tools.py: templates without tools)
 
     @property

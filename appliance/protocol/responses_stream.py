@@ -24,6 +24,7 @@ import secrets
 import time
 from typing import Any, Callable, Sequence
 
+from appliance.protocol import Phase, ToolFormat
 from appliance.protocol.errors import ApiError
 from appliance.protocol.logprobs import LogprobEntry
 from appliance.protocol.router import OutputRouter
@@ -53,7 +54,7 @@ class ResponsesAssembler:
     stream_headers = SSE_HEADERS
 
     def __init__(self, model: str, created_at: int, echo: dict[str, Any], *, in_reasoning: bool = False,
-                 tools: bool = False, tool_format: str = "template", response_id: str | None = None,
+                 tools: bool = False, tool_format: ToolFormat = "template", response_id: str | None = None,
                  new_id: Callable[[str], str] = new_item_id, clock: Callable[[], float] = time.time):
         self.model = model
         self.created_at = created_at
@@ -167,7 +168,7 @@ class ResponsesAssembler:
         return [typed_event(self._event("response.created", response=self.response_object("in_progress"))),
                 typed_event(self._event("response.in_progress", response=self.response_object("in_progress")))]
 
-    def keepalive(self, phase: str) -> bytes:
+    def keepalive(self, phase: Phase) -> bytes:
         return sse_comment(phase)
 
     def error_event(self, err: ApiError) -> bytes:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from appliance.protocol import ToolFormat
 from appliance.protocol.generic_tool_calls import GenericToolCallParser
 from appliance.protocol.reasoning import ReasoningSplitter
 from appliance.protocol.tool_calls import ToolCallParser, new_call_id
@@ -23,7 +24,7 @@ Routed = tuple[str, str, list[dict[str, Any]]]   # (reasoning, content, tool cal
 
 class OutputRouter:
     def __init__(self, *, in_reasoning: bool = False, reasoning: bool = True, tools: bool = False,
-                 tool_format: str = "template", new_id: Callable[[], str] = new_call_id):
+                 tool_format: ToolFormat = "template", new_id: Callable[[], str] = new_call_id):
         self._splitter = ReasoningSplitter(in_reasoning) if reasoning else None
         parser = GenericToolCallParser if tool_format == "generic" else ToolCallParser
         self._tools = parser(new_id) if tools else None

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 
 import trio
 
@@ -37,9 +37,15 @@ from .images import image_urls
 from .worker import EngineFailure, ShuttingDown, Ticket
 
 if TYPE_CHECKING:
+    from ..engine.constraint import CompiledGrammar
     from ..engine.load import LoadedModel
+    from ..engine.qwen3_vl import PixelPatches
     from ..h11_server import Exchange
+    from ..protocol import Assembler, Phase
+    from ..protocol.requests import ChatRequest, CompletionRequest
     from .preparer import Preparer
+
+    Request = Union[ChatRequest, CompletionRequest]  # what every API's body becomes
 
 log = logging.getLogger("appliance.generation")
 
@@ -49,15 +55,15 @@ class Generation:
     `token_bytes`: the tokenizer's id -> bytes (logprobs);
     `keepalive_s`: the interval of the assembler's keep-alive while queued or in prefill."""
 
-    def __init__(self, prompt_ids: list[int], req: Any, assembler: Any, *, token_bytes: Callable[[int], bytes],
-                 keepalive_s: float, images: tuple = (),
-                 constraint: Any = None):
+    def __init__(self, prompt_ids: list[int], req: Request, assembler: Assembler, *,
+                 token_bytes: Callable[[int], bytes], keepalive_s: float,
+                 images: tuple[PixelPatches, ...] = (), constraint: CompiledGrammar | None = None):
         self.req = req
         self.prompt_ids = prompt_ids
         self.out = assembler
         self._token_bytes = token_bytes
         self._keepalive_s = keepalive_s
-        self._phase = "queued"
+        self._phase: Phase = "queued"
         self._send_lock = trio.Lock()
         self._keepalive_scope = trio.CancelScope()
         self.request = GenerationRequest(prompt_ids=prompt_ids, sampling=req.sampling, max_tokens=req.max_tokens,
@@ -67,7 +73,7 @@ class Generation:
     def _logprob(self, ev: TokenEvent):
         return entry_from_engine(ev.logprob, self._token_bytes) if ev.logprob is not None else None
 
-    async def run(self, ex: Any, ticket: Ticket, t_arrival: float | None = None) -> None:
+    async def run(self, ex: Exchange, ticket: Ticket, t_arrival: float | None = None) -> None:
         stream = self.req.stream
         t_arrival = time.perf_counter() if t_arrival is None else t_arrival
         ex.notes["prompt_tokens"] = len(self.prompt_ids)
@@ -107,7 +113,7 @@ class Generation:
             await ex.send(event)
         await ex.end_stream()
 
-    async def _generate(self, ex: Any, ticket: Ticket) -> tuple[FinishEvent | None, BaseException | None]:
+    async def _generate(self, ex: Exchange, ticket: Ticket) -> tuple[FinishEvent | None, BaseException | None]:
         """Run the request on the engine, writing each token event of a stream as it arrives."""
         async for ev in ticket.start(self.request):
             if isinstance(ev, TokenEvent):
@@ -121,11 +127,11 @@ class Generation:
                 return None, ev.error
         return None, None
 
-    async def _send(self, ex: Any, data: bytes) -> None:
+    async def _send(self, ex: Exchange, data: bytes) -> None:
         async with self._send_lock:
             await ex.send(data)
 
-    async def _keepalive(self, ex: Any) -> None:
+    async def _keepalive(self, ex: Exchange) -> None:
         """The assembler's keep-alive every queue_keepalive_s until the first event after the opening one: while
         queued and during a long prefill (SSE: `: queued` / `: prefill` comments), so proxies and clients with
         read timeouts stay."""
@@ -135,7 +141,7 @@ class Generation:
                 with trio.CancelScope(shield=True):  # never half a comment on the wire
                     await self._send(ex, self.out.keepalive(self._phase))
 
-    async def _fail(self, ex: Any, error: BaseException | None) -> None:
+    async def _fail(self, ex: Exchange, error: BaseException | None) -> None:
         if isinstance(error, ApiError):
             err = error
         elif isinstance(error, ContextLengthError):
@@ -151,8 +157,9 @@ class Generation:
             await ex.end_stream()
 
 
-async def run_ticket(prep: Preparer, ex: Exchange, loaded: LoadedModel, req: Any, ids: list[int], out: Any, *,
-                     body_size: int = 0, constraint: Any = None, messages: Sequence[dict[str, Any]] = (),
+async def run_ticket(prep: Preparer, ex: Exchange, loaded: LoadedModel, req: Request, ids: list[int],
+                     out: Assembler, *, body_size: int = 0, constraint: CompiledGrammar | None = None,
+                     messages: Sequence[dict[str, Any]] = (),
                      on_prompt: Callable[[list[int]], None] | None = None) -> None:
     """A prepared request (any API's) through admission, the images of its chat `messages` (none for a text
     completion), and the engine (`constraint`: its compiled output format, from Preparer.compile_constraint;

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import trio
 
 from ..h11_server import Exchange
+from ..protocol import Assembler
 from ..protocol.errors import ApiError
 from ..protocol.fields import load_json_object
 from ..protocol.ollama_requests import OllamaRequest, parse_ollama_chat, parse_ollama_generate
@@ -42,6 +43,7 @@ from .generation import run_ticket
 from .preparer import Preparer
 
 if TYPE_CHECKING:
+    from ..engine.config import Qwen3Config
     from ..engine.load import LoadedModel
 
 OLLAMA_COMPAT_VERSION = "0.12.0"
@@ -54,7 +56,7 @@ def is_ollama_path(path: str) -> bool:
     return path == "/api" or path.startswith("/api/")
 
 
-def model_facts(loaded: Any, name: str) -> dict[str, Any]:
+def model_facts(loaded: LoadedModel, name: str) -> dict[str, Any]:
     """What /api/tags, /api/show and /api/ps say about the served model (reads file sizes: run off the loop)."""
     path = loaded.path
     files = [path] if os.path.isfile(path) else [os.path.join(path, f) for f in sorted(os.listdir(path))]
@@ -65,7 +67,7 @@ def model_facts(loaded: Any, name: str) -> dict[str, Any]:
     fmt = "gguf" if path.endswith(".gguf") else "safetensors"
     quant = _quantization(path, fmt)
     params = parameter_count(cfg)
-    template = loaded.chat_template.source_for(None) if hasattr(loaded.chat_template, "source_for") else ""
+    template = loaded.chat_template.source_for(None)
     caps = ["completion"]
     if loaded.multimodal:
         caps.append("vision")
@@ -79,7 +81,7 @@ def model_facts(loaded: Any, name: str) -> dict[str, Any]:
             "capabilities": caps, "template": template, "parameter_count": params, "family": family}
 
 
-def parameter_count(cfg: Any) -> int:
+def parameter_count(cfg: Qwen3Config) -> int:
     """Weights in the decoder from its config (embeddings, attention, MLP or experts, LM head when untied)."""
     g = lambda k, d=0: getattr(cfg, k, d) or d
     h, layers, hd = g("hidden_size"), g("num_hidden_layers"), g("head_dim")
@@ -155,10 +157,11 @@ class OllamaApi:
 
     async def ps(self, ex: Exchange) -> None:
         models = []
-        if self.prep.worker.state == "ready":
+        loaded = self.prep.worker.loaded
+        if self.prep.worker.state == "ready" and loaded is not None:  # ready: loaded
             f = await self.facts()
             models.append({**self._entry(f), "expires_at": NEVER_EXPIRES, "size_vram": 0,
-                           "context_length": self.prep.worker.loaded.context_length})
+                           "context_length": loaded.context_length})
         await self.prep.send_json(ex, {"models": models})
 
     async def show(self, ex: Exchange) -> None:
@@ -230,7 +233,7 @@ class OllamaApi:
         loaded, body, o = parsed
         prompt, ids, req, constraint = await self.prep.prepare(lambda: self._prompt(loaded, o, len(body)))
         in_reasoning = prompt_ends_in_reasoning(prompt)
-        out: OllamaChatAssembler | OllamaGenerateAssembler
+        out: Assembler
         if parse is parse_ollama_chat:
             out = OllamaChatAssembler(self.name, in_reasoning=in_reasoning, tools=bool(req.tools),
                                       tool_format=req.tool_format)

@@ -37,6 +37,7 @@ from .offload import IMAGE_THREADS, PREP_THREADS, TRIM_BYTES, off_loop, trim_mem
 from .worker import NotReady, QueueFull, ShuttingDown, Ticket, Worker
 
 if TYPE_CHECKING:
+    from ..engine.constraint import CompiledGrammar
     from ..engine.generate import ImageLM
     from ..engine.load import LoadedModel
 
@@ -59,9 +60,10 @@ class Preparer:
         return self.cfg.model_name
 
     def loaded(self) -> LoadedModel:
-        if self.worker.state != "ready":
+        loaded = self.worker.loaded
+        if self.worker.state != "ready" or loaded is None:  # ready: loaded
             raise not_ready()
-        return self.worker.loaded
+        return loaded
 
     def admit(self) -> Ticket:
         try:
@@ -85,7 +87,8 @@ class Preparer:
             return req
         return generic_tool_request(req)
 
-    def compile_constraint(self, loaded: LoadedModel, req: ChatRequest, prompt: str, param: str) -> Any:
+    def compile_constraint(self, loaded: LoadedModel, req: ChatRequest, prompt: str,
+                           param: str) -> CompiledGrammar | None:
         """Worker thread: the compiled constraint of a ChatRequest's output_format (None: unconstrained), letting
         a thinking model think first when its thinking is on; a grammar llguidance refuses, built or in its first
         steps (grammar_probe), is a 400 on the part it names (else `param`) with its reason. Bounded by

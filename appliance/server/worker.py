@@ -28,11 +28,18 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import trio
 
+from ..engine.generate import FinishEvent
+
+if TYPE_CHECKING:
+    from ..engine.generate import GenerationRequest
+    from ..engine.load import LoadedModel
+
 log = logging.getLogger("appliance.worker")
+WorkerState = Literal["loading", "ready", "failed", "stopped"]
 
 
 class QueueFull(Exception):
@@ -99,7 +106,7 @@ class WorkerStats:
 
 
 class _Job:
-    def __init__(self, request: Any, send: trio.MemorySendChannel):
+    def __init__(self, request: GenerationRequest, send: trio.MemorySendChannel):
         self.request = request
         self.send = send
         self.trace = JobTrace(prompt_tokens=len(getattr(request, "prompt_ids", ())))
@@ -125,11 +132,11 @@ class _Job:
 class Worker:
     """Owns the engine thread. Create inside trio, then `await worker.start()`."""
 
-    def __init__(self, load: Callable[[], Any], queue_limit: int = 4):
+    def __init__(self, load: Callable[[], LoadedModel], queue_limit: int = 4):
         self._load = load
         self.queue_limit = max(0, queue_limit)
-        self.state = "loading"             # loading | ready | failed | stopped
-        self.loaded: Any = None
+        self.state: WorkerState = "loading"
+        self.loaded: LoadedModel | None = None
         self.load_error: BaseException | None = None
         self.ready = trio.Event()          # set when loading ends, either way
         self.stats = WorkerStats()
@@ -197,7 +204,7 @@ class Worker:
         self._avg_job_s = 0.8 * self._avg_job_s + 0.2 * max(0.0, t.finished - t.started)
         self._slot.release()
 
-    def _loaded(self, loaded: Any) -> None:
+    def _loaded(self, loaded: LoadedModel) -> None:
         self.loaded = loaded
         self.state = "ready"
         self.ready.set()
@@ -228,16 +235,16 @@ class Worker:
                 return
             self._run(loaded, job)
 
-    def _run(self, loaded: Any, job: _Job) -> None:
+    def _run(self, loaded: LoadedModel, job: _Job) -> None:
         t = job.trace
         t.started = time.perf_counter()
         self.current = t
         s = self.stats
         s.requests_started += 1
-        last: Any = None  # the FinishEvent or EngineFailure, delivered together with the slot's release
+        last: FinishEvent | EngineFailure | None = None  # the FinishEvent or EngineFailure, delivered together with the slot's release
         try:
             for ev in loaded.engine.generate(job.request, job.should_cancel):
-                if hasattr(ev, "reason"):  # FinishEvent: the engine has already freed its cache
+                if isinstance(ev, FinishEvent):  # the engine has already freed its cache
                     t.finish_reason = ev.reason
                     s.prompt_tokens += ev.prompt_tokens
                     s.completion_tokens += ev.completion_tokens
@@ -268,7 +275,7 @@ class Worker:
             except Exception as e:
                 log.warning("after-request work failed: %r", e)
 
-    def _end_job(self, job: _Job, last: Any) -> None:
+    def _end_job(self, job: _Job, last: FinishEvent | EngineFailure | None) -> None:
         """Trio side: the last event, then the slot, in one step, so a client that has seen the end of its
         generation and sends the next request never finds the engine still marked busy."""
         if last is not None:
@@ -307,7 +314,7 @@ class Ticket:
             raise ShuttingDown()
         self._leave_line()
 
-    def start(self, request: Any) -> trio.MemoryReceiveChannel:
+    def start(self, request: GenerationRequest) -> trio.MemoryReceiveChannel:
         """Hand the request to the engine thread; events arrive on the returned channel, FinishEvent last."""
         assert self._holding and self._job is None
         send, recv = trio.open_memory_channel(math.inf)

@@ -1,6 +1,7 @@
 """The C decoder operations equal their numpy twins, and the native layers (one C call per forward) equal
 qwen3.forward_hidden on random models of each flavour (qwen3: q/k norms; qwen2: q/k/v biases; llama:
 neither) and each weight kind (quantized GGUF blocks, float32, BF16), prefill then decode."""
+import ctypes
 import os
 import zlib
 
@@ -251,3 +252,37 @@ def test_attention_rows_independent_of_chunking_and_threads(kv_dtype, H):
                 np.testing.assert_array_equal(kernels.attention(q[a:b], kc, vc, S - T + b), whole[a:b])
     finally:
         kernels.set_threads(before)
+
+
+def _fail_alloc(n: int) -> int:
+    """kq_test_fail_alloc: arm (n > 0: the n-th scratch request fails) or disarm; the requests counted so far."""
+    f = kernels._lib.kq_test_fail_alloc
+    f.restype, f.argtypes = ctypes.c_int64, [ctypes.c_int64]
+    return f(n)
+
+
+def test_a_failed_allocation_is_a_memory_error_and_stops_the_layers():
+    """kq_forward returns at its first failing status: a scratch allocation failing anywhere in the layers is a
+    MemoryError (never merged with a later status), and nothing after it asks for memory again (no later
+    product or layer runs on the lost values)."""
+    m = _model("qwen3", ["Q8_0"], np.random.default_rng(5), L=2)
+    dec = native_layers(m)
+    assert dec is not None
+    cos, sin = qwen3.rope_cos_sin(np.arange(3), m.config.head_dim, m.config.rope_theta)
+    h = m.embed.rows(np.array([3, 1, 4]))
+    kernels.set_threads(1)  # the scratch requests in one fixed order, all on this thread
+    try:
+        _fail_alloc(0)
+        _fail_alloc(1 << 40)  # counted, never reached
+        want = dec.forward_hidden(h.copy(), m.new_cache(16), cos, sin)
+        total = _fail_alloc(0)
+        assert total >= 2 * 8  # per layer: the forward's own, seven products, attention
+        for n in range(1, total + 1):
+            _fail_alloc(n)
+            with pytest.raises(MemoryError):
+                dec.forward_hidden(h.copy(), m.new_cache(16), cos, sin)
+            assert _fail_alloc(0) == n, f"requests after the failing one (request {n} of {total})"
+        np.testing.assert_array_equal(dec.forward_hidden(h.copy(), m.new_cache(16), cos, sin), want)
+    finally:
+        _fail_alloc(0)
+        kernels.configure_threads()

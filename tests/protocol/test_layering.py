@@ -1,7 +1,9 @@
-"""The layering of appliance/: no import cycles between its modules, native/ (the floor: plain arrays and
-specs in, arrays out) imports nothing from engine/, and only the CLI imports the server application
-(server/app.py). All read the source's import statements (ast), so a lazy import inside a function counts
-as well."""
+"""The layering of appliance/ (docs/ARCHITECTURE.md): no import cycles between its modules, and imports point
+one way: cli -> server -> protocol, engine; engine -> native; native/ (the floor: plain arrays and specs in,
+arrays out) imports nothing above it; protocol/ (sans-I/O) nothing of the server or the engine but the
+sampling parameters it parses into (engine/sampling.py, the generation contract); only the CLI imports the
+server application (server/app.py). All read the source's import statements (ast), so a lazy import inside a
+function, or one only for type checking, counts as well."""
 import ast
 import os
 
@@ -104,3 +106,47 @@ def test_only_the_cli_imports_the_server_application():
     apis = {"appliance.server.openai", "appliance.server.ollama", "appliance.server.responses"}
     assert apis <= g["appliance.server.app"]
     assert sorted(n for n, deps in g.items() if "appliance.server.app" in deps) == ["appliance.cli"]
+
+
+# Each layer (a package of appliance/, or a top-level module) and the layers it may import.
+LAYERS = {
+    "server": {"protocol", "engine", "h11_server", "web", "version"},
+    "protocol": {"engine.sampling"},  # SamplingParams: what a request's sampling fields parse into
+    "engine": {"native"},
+    "native": set(),
+    "web": {"resources"},
+    "h11_server": {"protocol"},
+}
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "appliance"
+
+
+def allowed(src: str, dst: str) -> bool:
+    lsrc, ldst = layer_of(src), layer_of(dst)
+    if lsrc == ldst or ldst == "appliance" or lsrc not in LAYERS:
+        return True
+    rest = dst.split(".", 1)[1]
+    return any(rest == a or rest.startswith(a + ".") for a in LAYERS[lsrc])
+
+
+def violations(g: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{n} -> {d}" for n, deps in g.items() for d in deps if not allowed(n, d))
+
+
+def test_imports_point_one_way():
+    assert violations(graph()) == []
+
+
+def test_the_order_check_finds_what_breaks_it():
+    g = {"appliance.native.kernels": {"appliance.engine.qwen3", "appliance.native.qtypes"},
+         "appliance.engine.qwen3": {"appliance.native.ops_numpy"},
+         "appliance.protocol.requests": {"appliance.engine.sampling", "appliance.engine.generate"},
+         "appliance.engine.generate": {"appliance.server.worker"},
+         "appliance.server.app": {"appliance.protocol.sse", "appliance.engine.load", "appliance.cli"}}
+    assert violations(g) == ["appliance.engine.generate -> appliance.server.worker",
+                             "appliance.native.kernels -> appliance.engine.qwen3",
+                             "appliance.protocol.requests -> appliance.engine.generate",
+                             "appliance.server.app -> appliance.cli"]

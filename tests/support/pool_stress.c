@@ -7,7 +7,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
-#include "kq.h"
+#include "kq_internal.h"
 typedef struct { volatile long magic; long job; _Atomic long items; } ctx_t;
 static _Atomic long bad = 0;
 static void task(void *c_, int64_t a, int64_t b) {

@@ -1,6 +1,6 @@
 /* The sizes of the structs shared with ctypes (appliance/native/abi.py checks them at load, so a Python side
  * and a library built from different headers never exchange misread structs). */
-#include "kq.h"
+#include "kq_internal.h"
 
 int64_t kq_struct_size(int which) {
     switch (which) {

@@ -6,7 +6,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
-#include "kq.h"
+#include "kq_internal.h"
 
 #if defined(__aarch64__)
 #include <sys/auxv.h>

@@ -2,7 +2,7 @@
  * the dot-product extension (sdot; RK3588's Cortex-A76 has it, its A55 cores too). */
 #if defined(__aarch64__)
 #include <arm_neon.h>
-#include "kq.h"
+#include "kq_internal.h"
 
 /* sdot's lane structure without the extension: lane i gets the products of bytes 4i..4i+3 (the x8 kernels
  * rely on it). Two products fit int16 (|a|, |b| <= 128, one side <= 127). */

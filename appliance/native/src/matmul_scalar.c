@@ -1,7 +1,7 @@
 /* Scalar reference tile kernels of every weight type (the KQ_SCALAR level): they define the arithmetic that the
  * SIMD kernels (matmul_x86*.inc, matmul_neon*.inc) and the numpy twins (twins.py) reproduce bit for bit. */
 #include <string.h>
-#include "kq.h"
+#include "kq_internal.h"
 
 /* the 32-element formats: one integer dot per block over kq_b32_values (Q4_0's and Q5_0's offsets are in the
  * values), then acc + dd * s, dd = d_w * d_x (Q4_1, Q5_1: then + m * (d_x * sum(y))) */

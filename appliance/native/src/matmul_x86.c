@@ -3,7 +3,7 @@
  * (matmul_float.inc) on 256-bit vectors at the AVX2 level and 512-bit ones at the AVX-512 level. */
 #if defined(__x86_64__)
 #include <immintrin.h>
-#include "kq.h"
+#include "kq_internal.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -37,7 +37,6 @@ static inline void fsum4_avx2(float *o, __m256 a, __m256 b, __m256 c, __m256 d) 
     _mm_storeu_ps(o, _mm_castpd_ps(_mm_unpacklo_pd(lo, hi))); /* [a b a b], [c d c d] -> [a b c d] */
 }
 #include "matmul_x86.inc"
-#include "matmul_float_end.inc"
 #define NC 4
 #include "matmul_x8_x86.inc"
 #undef NC
@@ -80,7 +79,6 @@ static inline void fsum4_avx512(float *o, __m512 a, __m512 b, __m512 c, __m512 d
     _mm_storeu_ps(o, _mm512_castps512_ps128(_mm512_permutexvar_ps(first, z)));
 }
 #include "matmul_x86.inc"
-#include "matmul_float_end.inc"
 #define NC 8 /* 32 vector registers: 8 columns per pass over the weights */
 #include "matmul_x8_x86.inc"
 #undef NC

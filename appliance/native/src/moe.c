@@ -11,7 +11,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include "kq.h"
+#include "kq_internal.h"
 
 typedef struct {
     kq_tile_fn gate_fn, up_fn;

@@ -5,7 +5,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
-#include "kq.h"
+#include "kq_internal.h"
 
 KQ_CLONES void kq_rms_norm(const float *x, const float *w, int64_t T, int64_t n, float eps, float *out) {
     for (int64_t t = 0; t < T; t++) {
@@ -162,6 +162,9 @@ static int linear(const kq_linear *L, const float *x, int64_t T, float *out) {
     return kq_matmul(L->qtype, L->w, L->rows, L->n, x, T, out);
 }
 
+/* a failing status returns at once: the layers after it (and the rest of this one) never run on bad values */
+#define TRY(call) do { int rc_ = (call); if (rc_) return rc_; } while (0)
+
 int kq_forward(const kq_model *m, void *const *k_cache, void *const *v_cache, int64_t max_len, int kv_f16,
                float *h, int64_t T, int64_t pos, const float *cos, const float *sin) {
     const int64_t D = m->hidden, H = m->n_heads, KV = m->n_kv, hd = m->head_dim, I = m->inter;
@@ -173,13 +176,12 @@ int kq_forward(const kq_model *m, void *const *k_cache, void *const *v_cache, in
     if (!base) return -2;
     float *xn = base, *o = xn + T * D, *q = o + T * D, *att = q + T * qd, *k = att + T * qd, *v = k + T * kd;
     float *g = v + T * kd, *u = g + T * I;
-    int rc = 0;
-    for (int64_t l = 0; l < m->n_layers && rc == 0; l++) {
+    for (int64_t l = 0; l < m->n_layers; l++) {
         const kq_layer *L = m->layers + l;
         kq_rms_norm(h, L->attn_norm, T, D, m->eps, xn);
-        rc |= linear(&L->q, xn, T, q);
-        rc |= linear(&L->k, xn, T, k);
-        rc |= linear(&L->v, xn, T, v);
+        TRY(linear(&L->q, xn, T, q));
+        TRY(linear(&L->k, xn, T, k));
+        TRY(linear(&L->v, xn, T, v));
         if (L->q_bias)
             for (int64_t t = 0; t < T; t++) {
                 for (int64_t i = 0; i < qd; i++) q[t * qd + i] += L->q_bias[i];
@@ -197,19 +199,20 @@ int kq_forward(const kq_model *m, void *const *k_cache, void *const *v_cache, in
                 kv_store(kc, kv_f16, (j * max_len + pos + t) * hd, k + (t * KV + j) * hd, hd);
                 kv_store(vc, kv_f16, (j * max_len + pos + t) * hd, v + (t * KV + j) * hd, hd);
             }
-        rc |= kq_attention(q, kc, vc, max_len, T, pos + T, H, KV, hd, kv_f16, att);
-        rc |= linear(&L->o, att, T, o);
+        TRY(kq_attention(q, kc, vc, max_len, T, pos + T, H, KV, hd, kv_f16, att));
+        TRY(linear(&L->o, att, T, o));
         for (int64_t i = 0; i < T * D; i++) h[i] += o[i];
         kq_rms_norm(h, L->mlp_norm, T, D, m->eps, xn);
         if (L->moe) {
-            rc |= kq_moe_ffn(L->moe, xn, T, o);
+            TRY(kq_moe_ffn(L->moe, xn, T, o));
         } else {
-            rc |= linear(&L->gate, xn, T, g);
-            rc |= linear(&L->up, xn, T, u);
+            TRY(linear(&L->gate, xn, T, g));
+            TRY(linear(&L->up, xn, T, u));
             kq_swiglu(g, u, T * I, g);
-            rc |= linear(&L->down, g, T, o);
+            TRY(linear(&L->down, g, T, o));
         }
         for (int64_t i = 0; i < T * D; i++) h[i] += o[i];
     }
-    return rc;
+    return 0;
 }
+#undef TRY

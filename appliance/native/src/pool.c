@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 #include <sys/syscall.h>
-#include "kq.h"
+#include "kq_internal.h"
 
 #define KQ_MAX_THREADS 64
 #define SPIN_LIMIT 4000
@@ -189,10 +189,24 @@ int64_t kq_chunk_for(int64_t n) { /* about 4 claims per thread: balance without 
 
 /* Per-thread scratch kept between calls: large malloc/free pairs would be fresh zeroed pages every call
  * (prefill spent ~5% in the kernel clearing them). Grows to the largest request; never shrinks. */
+/* kq_test_fail_alloc: while a test has armed it, scratch requests are counted and the n-th one fails */
+static _Atomic int scratch_test = 0;
+static _Atomic int64_t scratch_fail_in = 0, scratch_requests = 0;
+
+int64_t kq_test_fail_alloc(int64_t n) {
+    atomic_store(&scratch_fail_in, n > 0 ? n : 0);
+    atomic_store(&scratch_test, n > 0);
+    return atomic_exchange(&scratch_requests, 0);
+}
+
 void *kq_scratch(int slot, size_t bytes) {
     static __thread void *buf[4];
     static __thread size_t cap[4];
     if (slot < 0 || slot >= 4) return NULL;
+    if (atomic_load_explicit(&scratch_test, memory_order_relaxed)) { /* a test's injected failure */
+        atomic_fetch_add(&scratch_requests, 1);
+        if (atomic_fetch_sub(&scratch_fail_in, 1) == 1) return NULL;
+    }
     if (bytes == 0) bytes = 1; /* NULL means only a failed allocation, never an empty request */
     if (bytes > cap[slot]) {
         free(buf[slot]);

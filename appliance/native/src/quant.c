@@ -2,7 +2,7 @@
  * float32 rows). Rounding: round-half-to-even (lrintf in the default mode), like the SIMD conversions. */
 #include <math.h>
 #include <string.h>
-#include "kq.h"
+#include "kq_internal.h"
 
 float kq_fp16_to_fp32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;

@@ -4,7 +4,7 @@
  * slice k holds bytes 4k..4k+3 of rows 0..7, so one 32-byte load feeds one 8-lane integer dot whose
  * lane r sums row r: block sums come out per row with no horizontal reduction. Same bytes per block. */
 #include <string.h>
-#include "kq.h"
+#include "kq_internal.h"
 
 int kq_x8_block_bytes(int qtype) {
     switch (qtype) {

@@ -8,7 +8,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include "kq.h"
+#include "kq_internal.h"
 
 #define QB 48 /* queries per attention task: a multiple of every float tile's column count (2, 3, 6) */
 
