@@ -1,6 +1,7 @@
 """The application: dispatch, the API key, CORS, /health /metrics /props /v1/models and the chat page. It builds
 one Preparer (preparer.py) and takes the route tables of the API modules over it: openai.py (/v1/chat/completions,
-/v1/completions), ollama.py (/api/*, the / probe), responses.py (/v1/responses). Adding an endpoint touches one
+/v1/completions), ollama.py (/api/*, the / probe), responses.py (/v1/responses), embeddings.py (/v1/embeddings,
+/api/embed, /v1/rerank, /tokenize, /detokenize, /apply-template). Adding an endpoint touches one
 API module (and its line here if it is a new module).
 
 Policies:
@@ -29,6 +30,7 @@ from ..protocol.errors import ApiError, error_body, invalid_api_key, method_not_
 from ..protocol.ollama_stream import error_body as ollama_error_body
 from ..protocol.sse import JSON_CONTENT_TYPE, json_bytes
 from .config import ApiConfig, Handler, Routes
+from .embeddings import EmbeddingsApi
 from .loop_lag import LoopLag
 from .ollama import OllamaApi, is_ollama_path
 from .openai import OpenAiApi
@@ -66,6 +68,7 @@ class Api:
         html_root: Handler | None = self.page if cfg.web else None
         self.routes.update(OllamaApi(self.prep, html_root=html_root).routes())
         self.routes.update(ResponsesApi(self.prep).routes())
+        self.routes.update(EmbeddingsApi(self.prep).routes())
         if cfg.web:  # the chat page (appliance/web)
             self.routes["/chat"] = {"GET": self.page}
 

@@ -16,6 +16,8 @@ Policies:
   `requests_abandoned`, so /metrics accounts for every admitted request.
 - Cancellation: leaving a Ticket before its FinishEvent (client gone, shutdown) sets the job's cancel flag,
   which Engine.generate polls between prefill chunks and decode steps.
+- A job is a GenerationRequest (Engine.generate) or one that runs itself on the engine (`request.run(engine,
+  should_cancel)`: embedding and rerank jobs, engine/embedding.py), ending the same way (an event with `reason`).
 - Every job leaves a JobTrace (polls of the cancel flag, tokens, what ran after the cancel) for tests and
   /metrics; these are counted on the engine thread, not guessed from wall time.
 """
@@ -234,7 +236,10 @@ class Worker:
         s.requests_started += 1
         last: Any = None  # the FinishEvent or EngineFailure, delivered together with the slot's release
         try:
-            for ev in loaded.engine.generate(job.request, job.should_cancel):
+            run = getattr(job.request, "run", None)  # an embedding / rerank job (engine/embedding.py) runs itself
+            events = run(loaded.engine, job.should_cancel) if run is not None \
+                else loaded.engine.generate(job.request, job.should_cancel)
+            for ev in events:
                 if hasattr(ev, "reason"):  # FinishEvent: the engine has already freed its cache
                     t.finish_reason = ev.reason
                     s.prompt_tokens += ev.prompt_tokens
