@@ -96,7 +96,10 @@ class EmbeddingsApi:
         for i, item in enumerate(q.inputs):
             where = f"{q.param}[{i}]" if len(q.inputs) > 1 or q.param == "input" else q.param
             if isinstance(item, tuple):
-                ids = prep.check_token_ids(loaded, item, where)
+                try:
+                    ids = prep.check_token_ids(loaded, item, where)
+                except ApiError as e:  # param: the field, as for every other input error
+                    raise ApiError(400, e.message, param=q.param, code=e.code) from None
             elif q.truncate:
                 ids = list(head) + tok.encode(item)[:room] + list(tail)
             else:
