@@ -155,6 +155,7 @@ def run_job(engine, job: EmbeddingJob, should_cancel: Callable[[], bool]) -> Emb
                 logits = _prefill(engine, ids, start, "last", should_cancel, timings)  # (vocab,)
                 if logits is None:
                     return finish("cancelled")
+                assert task.yes_no is not None  # a rerank task always has them (load.model_task)
                 yes, no = task.yes_no
                 scores.append(yes_probability(float(logits[yes]), float(logits[no])))
                 continue

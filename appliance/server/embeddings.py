@@ -89,7 +89,8 @@ class EmbeddingsApi:
 
     def _sequences(self, loaded: LoadedModel, q: emb.EmbeddingsQuery) -> tuple[tuple[int, ...], ...]:
         """Worker thread: the query's inputs as token ids that fit the context."""
-        prep, tok, ctx = self.prep, loaded.tokenizer, loaded.context_length
+        prep, ctx = self.prep, loaded.context_length
+        tok: Any = loaded.tokenizer
         head, tail = loaded.task.affixes  # type: ignore[attr-defined]
         room = ctx - 1 - len(head) - len(tail)  # the engine needs len < context
         out = []
@@ -166,7 +167,8 @@ class EmbeddingsApi:
             q = rerank.parse_rerank(body)
             if loaded.kind != "rerank":
                 raise wrong_kind(loaded, prep.model_name, "rerank")
-            tok, ctx = loaded.tokenizer, loaded.context_length
+            tok: Any = loaded.tokenizer
+            ctx = loaded.context_length
             head, tail = tok.encode(rerank.PREFIX), tok.encode(rerank.SUFFIX)
             room = ctx - 1 - len(head) - len(tail)
             seqs = []

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Union, cast
+from typing import TYPE_CHECKING, Any, Union, cast
 
 from .phases import Phases
 
@@ -234,7 +234,7 @@ def model_task(ckpt: Checkpoint, options: LoadOptions):
     if getattr(ckpt.model, "multimodal", False) or hasattr(ckpt.model, "moe_config"):
         raise ModelLoadError(f"--{'reranking' if kind == 'rerank' else 'embedding'} serves dense text decoders only")
     source = hint.get("source", "") if hint.get("kind") == kind else f"--{'reranking' if kind == 'rerank' else 'embedding'}"
-    tok = ckpt.tokenizer
+    tok: Any = ckpt.tokenizer
     if kind == "rerank":
         yes, no = tok.id_of("yes"), tok.id_of("no")
         if yes is None or no is None:
@@ -243,7 +243,8 @@ def model_task(ckpt: Checkpoint, options: LoadOptions):
     pooling = options.pooling or hint.get("pooling") or "last"
     if pooling not in POOLINGS:
         raise ModelLoadError(f"pooling {pooling!r} is not supported (supported: {', '.join(POOLINGS)})")
-    return ModelTask("embedding", pooling, bool(hint.get("normalize", True)), affixes=post_processor_affixes(tok),
+    affixes = hint.get("affixes") or post_processor_affixes(tok)
+    return ModelTask("embedding", pooling, bool(hint.get("normalize", True)), affixes=affixes,
                      source=source + (" (--pooling)" if options.pooling else ""))
 
 

@@ -264,6 +264,15 @@ GGUF_POOLING_RANK = 4
 PLAIN_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
 
 
+def special_affixes(meta: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The BOS / EOS llama.cpp's tokenizer adds to a text (tokenizer.ggml.add_bos_token / add_eos_token; the
+    converter writes add_eos_token for Qwen3-Embedding, whose tokenizer appends <|endoftext|>)."""
+    def flag(name: str) -> tuple[int, ...]:
+        tid = meta.get(f"tokenizer.ggml.{name}_token_id")
+        return (int(tid),) if meta.get(f"tokenizer.ggml.add_{name}_token") and tid is not None else ()
+    return flag("bos"), flag("eos")
+
+
 def pooling_hint(meta: dict[str, Any], f: GGUFModelFile) -> dict | None:
     """`<arch>.pooling_type` as llama.cpp's converter writes it: MEAN/CLS/LAST an embedding model (llama.cpp
     normalises pooled embeddings), RANK a reranker whose `cls.output.weight` holds the "yes" and "no" rows of
@@ -274,7 +283,8 @@ def pooling_hint(meta: dict[str, Any], f: GGUFModelFile) -> dict | None:
         return None
     src = f"{arch}.pooling_type {int(kind)}"
     if int(kind) in GGUF_POOLING:
-        return {"kind": "embedding", "pooling": GGUF_POOLING[int(kind)], "normalize": True, "source": src}
+        return {"kind": "embedding", "pooling": GGUF_POOLING[int(kind)], "normalize": True, "source": src,
+                "affixes": special_affixes(meta)}
     if int(kind) == GGUF_POOLING_RANK:
         if "cls.output.weight" not in f or "cls.weight" in f:
             raise ValueError("a reranker (pooling_type RANK) is served with a 2-row cls.output.weight head only")
