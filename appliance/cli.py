@@ -188,7 +188,7 @@ def _load(args: argparse.Namespace, serving: bool = False):
     loaded.phases.began_at_age = began
     loaded.engine.warm_up()
     loaded.phases.mark("warm-up")
-    if serving:
+    if serving and loaded.kind == "generate":  # embedding models and rerankers have no output constraints
         from .engine.constraint import build_grammar_tokenizer
         build_grammar_tokenizer(loaded)
         loaded.phases.mark("grammar table")
@@ -218,6 +218,8 @@ def run_prompt(args: argparse.Namespace) -> int:
         loaded = _load(args)
     except ModelLoadError as e:
         raise CliError(str(e), load_failure_status(e)) from None
+    if loaded.kind != "generate":
+        raise CliError(f"--prompt needs a text generation model; {loaded.name} is {loaded.task.description}")
     start_done()
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": args.prompt})

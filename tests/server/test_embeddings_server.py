@@ -34,7 +34,11 @@ def server(emb_dir):
 
 
 def call(server, path: str, body) -> tuple[int, dict]:
-    c = RawClient(server.port)
+    return call_at(server.port, path, body)
+
+
+def call_at(port: int, path: str, body) -> tuple[int, dict]:
+    c = RawClient(port)
     c.send(request_bytes("POST", path, body))
     r = c.read_head()
     raw = c.read_body(r)
@@ -238,3 +242,24 @@ def test_concurrent_clients_share_the_queue(server, ref):
     for t in threads:
         t.join(60)
     assert close_to([out[i] for i in range(len(TEXTS))], ref)
+
+
+def test_cli_flags(emb_dir, reranker_dir, tiny_qwen3_tied, cli_server):
+    """The executable as a user runs it: an embedding directory serves /v1/embeddings with no flag,
+    --pooling overrides its pooling, --reranking makes a causal LM a reranker; misuse is one line, status 1."""
+    import subprocess
+    import sys
+
+    from openai import OpenAI
+    proc, port = cli_server(emb_dir, "--ctx", "256", "--pooling", "mean")
+    r = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none").embeddings.create(model="any", input=TEXTS)
+    mean_ref = reference_embeddings(emb_dir, TEXTS, "mean")
+    assert close_to([d.embedding for d in r.data], mean_ref)
+    proc, port = cli_server(reranker_dir, "--ctx", "256", "--reranking")
+    status, body = call_at(port, "/v1/rerank", {"query": QUERY, "documents": DOCS})
+    assert status == 200 and len(body["results"]) == len(DOCS)
+    for args, words in ((["--pooling", "mean"], "--pooling applies to an embedding model"),
+                        (["--embedding", "--prompt", "hi"], "--prompt needs a text generation model")):
+        q = subprocess.run([sys.executable, "-m", "appliance", "--model", tiny_qwen3_tied, "--ctx", "256", *args],
+                           capture_output=True, text=True, timeout=300)
+        assert q.returncode == 1 and words in q.stderr and "Traceback" not in q.stderr, q.stderr
