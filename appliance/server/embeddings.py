@@ -29,9 +29,7 @@ from ..engine.embedding import EmbeddingJob, EmbeddingResult
 from ..engine.kv_cache import ContextLengthError
 from ..engine.token_bounds import TooManyTokens
 from ..h11_server import Exchange
-from ..protocol import embeddings as emb
-from ..protocol import llama_utils as utils
-from ..protocol import rerank
+from ..protocol import embeddings as emb, llama_utils as utils, rerank
 from ..protocol.errors import ApiError, internal_error, server_shutdown, wrong_model_kind
 from ..protocol.requests import parse_chat_request
 from .config import Routes
@@ -91,7 +89,8 @@ class EmbeddingsApi:
         """Worker thread: the query's inputs as token ids that fit the context."""
         prep, ctx = self.prep, loaded.context_length
         tok: Any = loaded.tokenizer
-        head, tail = loaded.task.affixes  # type: ignore[attr-defined]
+        assert loaded.task is not None  # an embedding model (checked by the caller)
+        head, tail = loaded.task.affixes
         room = ctx - 1 - len(head) - len(tail)  # the engine needs len < context
         out = []
         for i, item in enumerate(q.inputs):
@@ -130,23 +129,23 @@ class EmbeddingsApi:
                 raise wrong_kind(loaded, prep.model_name, "embedding")
             return q, self._sequences(loaded, q)
         q, seqs = await prep.prepare(prepare)
-        if not seqs:
+        if not seqs or loaded.task is None:
             return q, loaded, None, 0.0, 0.0
         t0 = time.perf_counter()
-        result, queue_ms = await self._run(ex, EmbeddingJob(seqs, loaded.task))  # type: ignore[arg-type]
+        result, queue_ms = await self._run(ex, EmbeddingJob(seqs, loaded.task))
         return q, loaded, result, queue_ms, (time.perf_counter() - t0) * 1e3
 
     # ---- embeddings ------------------------------------------------------------------------------------
     async def openai(self, ex: Exchange) -> None:
         q, loaded, result, _, _ = await self._embed(ex, emb.parse_openai_embeddings)
-        renorm = loaded.task.normalize  # type: ignore[union-attr]
+        renorm = loaded.task is not None and loaded.task.normalize
         body = await self.prep.prepare(lambda: emb.openai_response(
             self.prep.model_name, [v.tolist() for v in result.vectors], result.prompt_tokens, q, renorm))
         await self.prep.send_json(ex, body)
 
     async def ollama_embed(self, ex: Exchange) -> None:
         q, loaded, result, queue_ms, total_ms = await self._embed(ex, emb.parse_ollama_embed)
-        renorm = loaded.task.normalize  # type: ignore[union-attr]
+        renorm = loaded.task is not None and loaded.task.normalize
         body = await self.prep.prepare(lambda: emb.ollama_embed_response(
             self.prep.model_name, [v.tolist() for v in result.vectors], result.prompt_tokens, q, renorm,
             int(total_ms * 1e6), int(queue_ms * 1e6)))
@@ -183,7 +182,8 @@ class EmbeddingsApi:
                 seqs.append(tuple(head + pair + tail))
             return q, tuple(seqs)
         q, seqs = await prep.prepare(prepare)
-        result, _ = await self._run(ex, EmbeddingJob(seqs, loaded.task))  # type: ignore[arg-type]
+        assert loaded.task is not None  # a reranker (checked in prepare)
+        result, _ = await self._run(ex, EmbeddingJob(seqs, loaded.task))
         await prep.send_json(ex, rerank.rerank_response(prep.model_name, q, result.scores, result.prompt_tokens))
 
     # ---- llama-server's utilities ----------------------------------------------------------------------

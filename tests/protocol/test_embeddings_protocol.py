@@ -7,9 +7,7 @@ import struct
 
 import pytest
 
-from appliance.protocol import embeddings as emb
-from appliance.protocol import llama_utils as utils
-from appliance.protocol import rerank
+from appliance.protocol import embeddings as emb, llama_utils as utils, rerank
 from appliance.protocol.errors import ApiError, error_body
 from appliance.protocol.sse import json_bytes
 

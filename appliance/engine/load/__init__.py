@@ -26,6 +26,7 @@ from .phases import Phases
 if TYPE_CHECKING:
     from ..chat_template import ChatTemplate
     from ..config import Qwen3Config
+    from ..embedding import ModelTask
     from ..generate import CausalLM, Engine
     from ..qwen3 import Qwen3Model
     from ..qwen3_vl import Qwen3VLModel
@@ -79,12 +80,12 @@ class LoadedModel:
     eos_ids: set[int] = field(default_factory=set)
     multimodal: bool = False  # accepts image content parts
     phases: Phases = field(default_factory=Phases)  # where the load's time went (phases.py)
-    task: object = None  # embedding.ModelTask for an embedding model or a reranker; None: a generative model
+    task: ModelTask | None = None  # an embedding model's or a reranker's (embedding.py); None: a generative model
 
     @property
     def kind(self) -> str:
         """'generate', 'embedding' or 'rerank'."""
-        return "generate" if self.task is None else self.task.kind  # type: ignore[attr-defined]
+        return "generate" if self.task is None else self.task.kind
 
 
 @dataclass
@@ -220,7 +221,7 @@ def finish(path: str, ckpt: Checkpoint, options: LoadOptions, phases: Phases | N
                        multimodal=getattr(ckpt.model, "multimodal", False), phases=phases, task=task)
 
 
-def model_task(ckpt: Checkpoint, options: LoadOptions):
+def model_task(ckpt: Checkpoint, options: LoadOptions) -> ModelTask | None:
     """The ModelTask of an embedding model or a reranker (None: a generative model): the CLI's --embedding /
     --reranking / --pooling over what the checkpoint says (ckpt.task_hint); the tokenizer's post-processor
     affixes and the reranker's "yes"/"no" ids are read here."""
