@@ -232,7 +232,7 @@ def model_task(ckpt: Checkpoint, options: LoadOptions) -> ModelTask | None:
         if options.pooling:
             raise ModelLoadError("--pooling applies to an embedding model (add --embedding)")
         return None
-    if getattr(ckpt.model, "multimodal", False) or hasattr(ckpt.model, "moe_config"):
+    if getattr(ckpt.model, "multimodal", False) or getattr(ckpt.model, "moe_config", None) is not None:
         raise ModelLoadError(f"--{'reranking' if kind == 'rerank' else 'embedding'} serves dense text decoders only")
     source = hint.get("source", "") if hint.get("kind") == kind else f"--{'reranking' if kind == 'rerank' else 'embedding'}"
     tok: Any = ckpt.tokenizer
