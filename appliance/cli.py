@@ -82,8 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ctx", type=int, metavar="N",
                    help="context length in tokens (default: the model's trained context, capped so a full KV cache "
                         "takes at most half the available memory; printed at start)")
-    s.add_argument("--kv-type", choices=["f16", "f32"], default="f16",
-                   help="KV cache element type (default f16: half the memory of f32)")
+    s.add_argument("--kv-type", choices=["f16", "f32"],
+                   help="KV cache element type (default f16: half the memory of f32; f32 for embedding models "
+                        "and rerankers)")
     s.add_argument("--cache-ram", type=int, metavar="MB",
                    help="memory for the KV of the active and earlier conversations kept for prefix reuse "
                         "(default: a quarter of the memory available at start; 0 keeps only the active one)")
@@ -117,6 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="resize images to at most N pixels (default: the model's preprocessor_config.json)")
     s.add_argument("--board-name", metavar="NAME",
                    help="this board's name, sent as X-Kestrel-Board on every response (default: the host name)")
+    task = s.add_mutually_exclusive_group()
+    task.add_argument("--embedding", "--embeddings", action="store_true",
+                      help="serve embeddings (/v1/embeddings, /api/embed) from this model; embedding models "
+                           "(Qwen3-Embedding, a GGUF with pooling_type) are recognised without it")
+    task.add_argument("--reranking", "--rerank", action="store_true",
+                      help="serve /v1/rerank with this model as a Qwen3-Reranker (yes/no scores)")
+    s.add_argument("--pooling", choices=["last", "mean", "cls"],
+                   help="an embedding model's pooling (default: the checkpoint's, else last)")
     s.add_argument("--grace", type=float, default=10.0, metavar="S", help="shutdown grace period (seconds)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     o = p.add_argument_group("one-shot")
@@ -192,11 +201,15 @@ def load_options(args: argparse.Namespace):
     """The load-time flags as one LoadOptions."""
     from .engine.load import LoadOptions
     from .engine.speculative import SpecOptions
-    return LoadOptions(spec=SpecOptions(args.spec, args.draft_max, args.draft_min), context_length=args.ctx, prefill_chunk=args.prefill_chunk, threads=args.threads,
-                       kv_type=args.kv_type, cache_ram_mb=args.cache_ram, prefix_reuse=not args.no_prefix_cache,
+    return LoadOptions(spec=SpecOptions(args.spec, args.draft_max, args.draft_min), context_length=args.ctx,
+                       prefill_chunk=args.prefill_chunk, threads=args.threads,
+                       kv_type=args.kv_type or "f16", kv_type_given=args.kv_type is not None,
+                       cache_ram_mb=args.cache_ram, prefix_reuse=not args.no_prefix_cache,
                        prompt_cache_dir=args.prompt_cache_dir,
                        moe_release_pages=args.moe_release_pages, image_max_pixels=args.image_max_pixels,
-                       max_resident_mib=args.max_resident, mmproj=args.mmproj)
+                       max_resident_mib=args.max_resident, mmproj=args.mmproj,
+                       task="embedding" if args.embedding else "rerank" if args.reranking else None,
+                       pooling=args.pooling)
 
 
 def _load(args: argparse.Namespace, serving: bool = False):
@@ -209,7 +222,7 @@ def _load(args: argparse.Namespace, serving: bool = False):
     loaded.phases.began_at_age = began
     loaded.engine.warm_up()
     loaded.phases.mark("warm-up")
-    if serving:
+    if serving and loaded.kind == "generate":  # embedding models and rerankers have no output constraints
         from .engine.constraint import build_grammar_tokenizer
         build_grammar_tokenizer(loaded)
         loaded.phases.mark("grammar table")
@@ -247,6 +260,8 @@ def run_prompt(args: argparse.Namespace) -> int:
         loaded = _load(args)
     except ModelLoadError as e:
         raise CliError(str(e), load_failure_status(e)) from None
+    if loaded.kind != "generate":
+        raise CliError(f"--prompt needs a text generation model; {loaded.name} is {loaded.task.description}")
     start_done()
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": args.prompt})

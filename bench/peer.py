@@ -84,10 +84,12 @@ def ensure_peer(log=sys.stderr) -> str:
 class LlamaCppPeer:
     """One llama.cpp model in a child process of the peer venv."""
 
-    def __init__(self, model_path: str, n_threads: int = 2, n_ctx: int = 1024):
+    def __init__(self, model_path: str, n_threads: int = 2, n_ctx: int = 1024, embedding: bool = False):
+        """embedding: llama.cpp's embedding mode (the file's pooling_type, normalised pooled vectors: `embed`)."""
         self.proc = subprocess.Popen([ensure_peer(), os.path.abspath(__file__), "serve"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, bufsize=1)
-        self.info = self._call(op="load", path=os.path.abspath(model_path), n_threads=n_threads, n_ctx=n_ctx)
+        self.info = self._call(op="load", path=os.path.abspath(model_path), n_threads=n_threads, n_ctx=n_ctx,
+                               embedding=embedding)
 
     def _call(self, **req):
         self.proc.stdin.write(json.dumps(req) + "\n")
@@ -118,6 +120,11 @@ class LlamaCppPeer:
     def bench(self, prompt_len: int, decode: int, runs: int = 3, warmup: bool = True) -> dict:
         """Median prefill and decode tok/s over runs (after one untimed warm-up run unless warmup=False)."""
         return self._call(op="bench", prompt_len=prompt_len, decode=decode, runs=runs, warmup=warmup)
+
+    def embed(self, texts: list[str]) -> dict:
+        """Embedding mode: each text tokenized as llama.cpp does (its add_bos/add_eos), decoded, pooled and
+        L2-normalised; {"vectors": [[...], ...], "seconds": wall time of the decodes, "tokens": their count}."""
+        return self._call(op="embed", texts=list(texts))
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -172,9 +179,19 @@ def _serve() -> None:
         nonlocal llm
         op = req["op"]
         if op == "load":
+            emb = bool(req.get("embedding"))
+            batch = req["n_ctx"] if emb else 512  # embeddings: a whole input in one micro-batch
             llm = llama_cpp.Llama(req["path"], n_ctx=req["n_ctx"], n_threads=req["n_threads"],
-                                  n_threads_batch=req["n_threads"], n_batch=512, logits_all=False, verbose=False)
+                                  n_threads_batch=req["n_threads"], n_batch=batch, n_ubatch=batch,
+                                  logits_all=False, embedding=emb, verbose=False)
             return {"version": llama_cpp.__version__, "n_vocab": llm.n_vocab()}
+        if op == "embed":  # one text per decode (llama-server's /v1/embeddings with one slot does the same)
+            vectors, n_tokens, t0 = [], 0, time.perf_counter()
+            for text in req["texts"]:
+                vec, count = llm.embed(text, normalize=True, return_count=True)
+                vectors.append([float(x) for x in vec])
+                n_tokens += count
+            return {"vectors": vectors, "seconds": time.perf_counter() - t0, "tokens": n_tokens}
         if op == "tokenize":
             return llm.tokenize(req["text"].encode("utf-8"), add_bos=False, special=req["special"])
         if op == "greedy":

@@ -148,13 +148,16 @@ def numpy_layers(model: Qwen3Model, h: np.ndarray, cache: KVCache, cos: np.ndarr
 
 
 def forward(model: Qwen3Model, tokens: np.ndarray, cache: KVCache, logits: str = "last") -> np.ndarray | None:
-    """Append tokens (T,) to the sequence in cache. logits: 'last' -> (vocab,), 'all' -> (T, vocab), 'none'."""
+    """Append tokens (T,) to the sequence in cache. logits: 'last' -> (vocab,), 'all' -> (T, vocab), 'none',
+    'hidden' -> the final-normed hidden states (T, hidden) (embedding models pool these)."""
     cfg = model.config
     positions = cache.length + np.arange(len(tokens))
     cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
     h = forward_hidden(model, model.embed.rows(np.asarray(tokens)), cache, cos, sin)  # (T, hidden)
     if logits == "none":
         return None
+    if logits == "hidden":
+        return h  # (T, hidden)
     if logits == "last":
         return model.lm_head(h[-1:])[0]  # (vocab,)
     return model.lm_head(h)  # (T, vocab)

@@ -122,5 +122,18 @@ def context_length_exceeded(prompt_tokens: int, max_tokens: int | None, context_
     return ApiError(400, msg, param="messages", code="context_length_exceeded")
 
 
+KIND_NAMES = {"generate": "a text generation model", "embedding": "an embedding model", "rerank": "a reranker"}
+
+
+def wrong_model_kind(kind: str, name: str, wanted: str) -> ApiError:
+    """A request the served model's kind ('generate', 'embedding', 'rerank') does not serve."""
+    how = {"embedding": "serve an embedding model (Qwen3-Embedding) or start with --embedding",
+           "rerank": "serve a reranker (Qwen3-Reranker) with --reranking",
+           "generate": "serve a chat model"}[wanted]
+    what = {"embedding": "embeddings", "rerank": "reranking", "generate": "text generation"}[wanted]
+    return ApiError(400, f"The served model '{name}' is {KIND_NAMES[kind]}; it does not serve {what} ({how}).",
+                    param="model", code="model_not_supported")
+
+
 def internal_error() -> ApiError:
     return ApiError(500, "The server had an error while processing your request.")

@@ -1,7 +1,8 @@
 """The application: dispatch, the API key, CORS, /health /metrics /props /v1/models and the chat page. It builds
 one Preparer (preparer.py) and takes the route tables of the API modules over it: openai.py (/v1/chat/completions,
-/v1/completions), ollama.py (/api/*, the / probe), responses.py (/v1/responses), anthropic.py (/v1/messages).
-Adding an endpoint touches one API module (and its line here if it is a new module).
+/v1/completions), ollama.py (/api/*, the / probe), responses.py (/v1/responses), anthropic.py (/v1/messages),
+embeddings.py (/v1/embeddings, /api/embed, /v1/rerank, /tokenize, /detokenize, /apply-template). Adding an
+endpoint touches one API module (and its line here if it is a new module).
 
 Policies:
 - Order of checks: Host and Origin (403, protocol/browser_policy.py: DNS rebinding and cross-origin pages; every
@@ -40,6 +41,7 @@ from ..protocol.ollama_stream import error_body as ollama_error_body
 from ..protocol.sse import JSON_CONTENT_TYPE, json_bytes
 from .anthropic import AnthropicApi, is_anthropic_path
 from .config import ApiConfig, Handler, Routes
+from .embeddings import EmbeddingsApi
 from .loop_lag import LoopLag
 from .ollama import OllamaApi, is_ollama_path
 from .openai import OpenAiApi
@@ -121,6 +123,7 @@ class Api:
         self.routes.update(OllamaApi(self.prep, html_root=html_root).routes())
         self.routes.update(ResponsesApi(self.prep).routes())
         self.routes.update(AnthropicApi(self.prep).routes())
+        self.routes.update(EmbeddingsApi(self.prep).routes())
         if cfg.web:  # the chat page (appliance/web)
             self.routes["/chat"] = {"GET": self.page}
 

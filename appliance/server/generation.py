@@ -29,7 +29,7 @@ import trio
 
 from ..engine.generate import FinishEvent, GenerationRequest, TokenEvent
 from ..engine.kv_cache import ContextLengthError
-from ..protocol.errors import ApiError, internal_error, server_shutdown
+from ..protocol.errors import ApiError, internal_error, server_shutdown, wrong_model_kind
 from ..protocol.logprobs import entry_from_engine
 from ..protocol.sse import JSON_CONTENT_TYPE, json_bytes
 from ..protocol.stats import GenerationStats
@@ -165,6 +165,8 @@ async def run_ticket(prep: Preparer, ex: Exchange, loaded: LoadedModel, req: Req
     completion), and the engine (`constraint`: its compiled output format, from Preparer.compile_constraint;
     `on_prompt`: told the prompt's final ids, image tokens expanded, before the stream opens)."""
     t_arrival = time.perf_counter()
+    if loaded.kind != "generate":  # an embedding model or a reranker (server/embeddings.py serves those)
+        raise wrong_model_kind(loaded.kind, prep.model_name, "generate")
     ticket = prep.admit()
     urls = image_urls(messages)
     if urls:

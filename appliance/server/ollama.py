@@ -11,8 +11,8 @@ Policies:
   there (LangChain's `validate_model_on_init=True`) needs that name.
 - capabilities: completion, tools (every model: a template without a tool section gets the generic tool format,
   protocol/generic_tools.py), vision (Qwen3-VL), thinking (a template that reads enable_thinking or has <think>).
-- Model management makes no sense on a fixed-model appliance: pull, push, create, delete, copy, blobs and the
-  embedding endpoints answer 400 naming the served model.
+- Model management makes no sense on a fixed-model appliance: pull, push, create, delete, copy and blobs answer
+  400 naming the served model. /api/embed and /api/embeddings are embeddings.py's.
 - `GET /` and `HEAD /` answer "Ollama is running" (text/plain), the probe Ollama clients send; a browser asking
   for text/html gets the `html_root` handler instead when app.py passes one (the chat page).
 - /api/version reports OLLAMA_COMPAT_VERSION: the Ollama release whose API this one follows (thinking, tool
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 OLLAMA_COMPAT_VERSION = "0.12.0"
 ROOT_TEXT = b"Ollama is running"
-REFUSED = ("/api/pull", "/api/push", "/api/create", "/api/delete", "/api/copy", "/api/embed", "/api/embeddings")
+REFUSED = ("/api/pull", "/api/push", "/api/create", "/api/delete", "/api/copy")  # /api/embed*: embeddings.py
 NEVER_EXPIRES = "2318-01-01T00:00:00Z"     # keep_alive < 0 in Ollama's /api/ps: the model is never unloaded
 
 
@@ -74,6 +74,8 @@ def model_facts(loaded: LoadedModel, name: str) -> dict[str, Any]:
     caps.append("tools")
     if "<think>" in template or "enable_thinking" in template:
         caps.append("thinking")
+    if getattr(loaded, "kind", "generate") != "generate":  # an embedding model (or a reranker) does not chat
+        caps = ["embedding"]
     details = {"parent_model": "", "format": fmt, "family": family, "families": [family],
                "parameter_size": _human(params), "quantization_level": quant}
     digest = hashlib.sha256(f"{os.path.abspath(path)}\0{size}\0{mtime}".encode()).hexdigest()

@@ -16,6 +16,8 @@ Policies:
   `requests_abandoned`, so /metrics accounts for every admitted request.
 - Cancellation: leaving a Ticket before its FinishEvent (client gone, shutdown) sets the job's cancel flag,
   which Engine.generate polls between prefill chunks and decode steps.
+- A job is a GenerationRequest (Engine.generate) or one that runs itself on the engine (`request.run(engine,
+  should_cancel)`: embedding and rerank jobs, engine/embedding.py), ending the same way (an event with `reason`).
 - Every job leaves a JobTrace (polls of the cancel flag, tokens, what ran after the cancel) for tests and
   /metrics; these are counted on the engine thread, not guessed from wall time.
 """
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import trio
 
+from ..engine.embedding import EmbeddingResult
 from ..engine.generate import FinishEvent
 
 if TYPE_CHECKING:
@@ -241,10 +244,13 @@ class Worker:
         self.current = t
         s = self.stats
         s.requests_started += 1
-        last: FinishEvent | EngineFailure | None = None  # the FinishEvent or EngineFailure, delivered together with the slot's release
+        last: FinishEvent | EmbeddingResult | EngineFailure | None = None  # delivered with the slot's release
         try:
-            for ev in loaded.engine.generate(job.request, job.should_cancel):
-                if isinstance(ev, FinishEvent):  # the engine has already freed its cache
+            run = getattr(job.request, "run", None)  # an embedding / rerank job (engine/embedding.py) runs itself
+            events = run(loaded.engine, job.should_cancel) if run is not None \
+                else loaded.engine.generate(job.request, job.should_cancel)
+            for ev in events:
+                if isinstance(ev, (FinishEvent, EmbeddingResult)):  # the engine has already freed its cache
                     t.finish_reason = ev.reason
                     s.prompt_tokens += ev.prompt_tokens
                     s.completion_tokens += ev.completion_tokens
@@ -275,7 +281,7 @@ class Worker:
             except Exception as e:
                 log.warning("after-request work failed: %r", e)
 
-    def _end_job(self, job: _Job, last: FinishEvent | EngineFailure | None) -> None:
+    def _end_job(self, job: _Job, last: FinishEvent | EmbeddingResult | EngineFailure | None) -> None:
         """Trio side: the last event, then the slot, in one step, so a client that has seen the end of its
         generation and sends the next request never finds the engine still marked busy."""
         if last is not None:

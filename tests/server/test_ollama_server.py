@@ -137,9 +137,11 @@ def test_errors_in_ollama_shape(client, server):
         c.close()
         return r.status, json.loads(raw)
 
-    for path in ("/api/pull", "/api/push", "/api/create", "/api/delete", "/api/copy", "/api/embed"):
+    for path in ("/api/pull", "/api/push", "/api/create", "/api/delete", "/api/copy"):
         status, body = call("POST", path, {"model": "x"})
         assert status == 400 and set(body) == {"error"} and "fixed model" in body["error"]
+    status, body = call("POST", "/api/embed", {"model": "x", "input": "hello"})  # a chat model: no embeddings
+    assert status == 400 and set(body) == {"error"} and "a text generation model" in body["error"]
     assert call("GET", "/api/nothing") == (404, {"error": "Unknown path: /api/nothing"})
     status, body = call("GET", "/api/chat")
     assert status == 405 and set(body) == {"error"}

@@ -96,3 +96,50 @@ def retype_tensor(src: str, dst: str, name: str, qtype_name: str) -> str:
     writer.write_tensors_to_file()
     writer.close()
     return dst
+
+
+PEER_SDIST = "llama-cpp-python==0.3.36"  # bench/peer.py's PACKAGE: the converter of the llama.cpp the peer runs
+
+
+def llama_cpp_source() -> str:
+    """The vendored llama.cpp of the peer's source distribution (convert_hf_to_gguf.py, gguf-py), fetched once
+    with `pip download --no-binary :all: --no-deps` into ~/.cache/kestrel-bench/sdist and unpacked."""
+    import subprocess
+    import sys
+    import tarfile
+
+    base = os.path.expanduser(os.environ.get("KESTREL_SDIST_DIR", "~/.cache/kestrel-bench/sdist"))
+    name = PEER_SDIST.replace("-", "_").replace("==", "-")
+    src = os.path.join(base, name, "vendor", "llama.cpp")
+    if os.path.isfile(os.path.join(src, "convert_hf_to_gguf.py")):
+        return src
+    os.makedirs(base, exist_ok=True)
+    archive = os.path.join(base, f"{name}.tar.gz")
+    if not os.path.exists(archive):
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "-d", base,
+                        PEER_SDIST], check=True, capture_output=True)
+    tmp = os.path.join(base, f".unpack{os.getpid()}")
+    with tarfile.open(archive) as tar:
+        members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name and
+                   ("/gguf-py/" in m.name or "/conversion/" in m.name or m.name.endswith("convert_hf_to_gguf.py"))]
+        tar.extractall(tmp, members=members, filter="data")
+    try:
+        os.replace(os.path.join(tmp, name), os.path.join(base, name))
+    except OSError:  # another process unpacked it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return src
+
+
+def convert_with_llama_cpp(hf_dir: str, out: str, outtype: str = "f32") -> str:
+    """llama.cpp's own converter (convert_hf_to_gguf.py with its gguf-py) on a Hugging Face directory: the file
+    llama.cpp would serve, metadata (pooling_type, add_eos_token, a reranker's cls.output) included."""
+    import subprocess
+    import sys
+
+    src = llama_cpp_source()
+    env = dict(os.environ, PYTHONPATH=os.path.join(src, "gguf-py"))
+    r = subprocess.run([sys.executable, os.path.join(src, "convert_hf_to_gguf.py"), hf_dir, "--outfile", out,
+                        "--outtype", outtype], capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed ({r.returncode}): {r.stderr[-2000:]}")
+    return out

@@ -67,6 +67,59 @@ def build_qwen3(out_dir: str, *, hidden: int = 64, layers: int = 2, heads: int =
     return out_dir
 
 
+def build_qwen3_embedding(out_dir: str, *, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                          head_dim: int = 16, intermediate: int = 128, seed: int = 5, pooling: str = "lasttoken",
+                          max_positions: int = 4096) -> str:
+    """A tiny random Qwen3-Embedding as Qwen publishes it: a bare Qwen3Model (no LM head, tensors without the
+    "model." prefix) in bf16, sentence-transformers' modules.json (Transformer, Pooling, Normalize) and
+    1_Pooling/config.json, and a tokenizer.json whose post-processor appends <|endoftext|>."""
+    import torch
+    from transformers import Qwen3Config, Qwen3Model
+
+    os.makedirs(out_dir, exist_ok=True)
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      head_dim=head_dim, tie_word_embeddings=False, max_position_embeddings=max_positions,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+                      initializer_range=0.2, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151643)
+    model = Qwen3Model(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+    model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
+    write_tokenizer(out_dir)
+    tok_path = os.path.join(out_dir, "tokenizer.json")
+    with open(tok_path, encoding="utf-8") as f:
+        tok = json.load(f)
+    eot = {"id": "<|endoftext|>", "ids": [151643], "tokens": ["<|endoftext|>"]}
+    tok["post_processor"] = {"type": "TemplateProcessing",
+                             "single": [{"Sequence": {"id": "A", "type_id": 0}},
+                                        {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}],
+                             "pair": [{"Sequence": {"id": "A", "type_id": 0}},
+                                      {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
+                                      {"Sequence": {"id": "B", "type_id": 1}},
+                                      {"SpecialToken": {"id": "<|endoftext|>", "type_id": 1}}],
+                             "special_tokens": {"<|endoftext|>": eot}}
+    with open(tok_path, "w", encoding="utf-8") as f:
+        json.dump(tok, f, ensure_ascii=False)
+    write_generation_config(out_dir)
+    shutil.copyfile(os.path.join(FIXTURES, "qwen3", "chat_template.jinja"), os.path.join(out_dir, "chat_template.jinja"))
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    with open(os.path.join(out_dir, "modules.json"), "w") as f:
+        json.dump(modules, f, indent=1)
+    os.makedirs(os.path.join(out_dir, "1_Pooling"), exist_ok=True)
+    os.makedirs(os.path.join(out_dir, "2_Normalize"), exist_ok=True)
+    modes = {f"pooling_mode_{m}": m == pooling for m in ("cls_token", "mean_tokens", "max_tokens",
+                                                         "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")}
+    with open(os.path.join(out_dir, "1_Pooling", "config.json"), "w") as f:
+        json.dump({"word_embedding_dimension": hidden, **modes, "include_prompt": True}, f, indent=1)
+    return out_dir
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m tests.support.tiny_models OUT_DIR", file=sys.stderr)

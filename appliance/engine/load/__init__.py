@@ -9,7 +9,8 @@ Policies:
   set on the loaded model afterwards. The format loaders build (config, model, tokenizer, template, eos ids,
   default sampling); `finish` is the one shared tail that applies the options and builds the Engine.
 - The model's display name (what /v1/models lists) is `model_name(path)`, worked out here only.
-- Memory (decided in `finish`, logged once): the KV cache is float16 unless asked otherwise; the context
+- Memory (decided in `finish`, logged once): the KV cache is float16 unless asked otherwise (float32 for an
+  embedding model or a reranker, whose outputs are compared to float32 references at 1e-5); the context
   defaults to the model's trained context capped so a full cache takes at most half of the memory available
   at load (the cache's pages are committed only as positions are used); --cache-ram defaults to a quarter of
   that available memory, for the active sequence plus copies of earlier ones.
@@ -19,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Union, cast
+from typing import TYPE_CHECKING, Any, Union, cast
 
 from ..speculative import SpecOptions
 from .phases import Phases
@@ -27,6 +28,7 @@ from .phases import Phases
 if TYPE_CHECKING:
     from ..chat_template import ChatTemplate
     from ..config import Qwen3Config
+    from ..embedding import ModelTask
     from ..generate import CausalLM, Engine
     from ..qwen3 import Qwen3Model
     from ..qwen3_vl import Qwen3VLModel
@@ -62,6 +64,7 @@ class LoadOptions:
     prefill_chunk: int = 256  # prompt tokens per prefill step
     threads: int | None = None  # the C kernels' pool size (None: the library's default)
     kv_type: str = "f16"  # KV cache element type: "f16" (half the memory) or "f32"
+    kv_type_given: bool = False  # kv_type was chosen (--kv-type); else embedding models and rerankers use f32
     cache_ram_mb: int | None = None  # active + cached sequences' KV; None -> a quarter of the available memory
     prefix_reuse: bool = True  # reuse the KV of a cached prefix across requests
     prompt_cache_dir: str | None = None  # keep shared prompt prefixes' KV on disk across restarts
@@ -70,6 +73,8 @@ class LoadOptions:
     max_resident_mib: int | None = None  # dense: keep at most this many MiB of mapped weights resident (resident.py)
     spec: SpecOptions = SpecOptions()  # speculative decoding (drafts from the prompt by default)
     mmproj: str | None = None  # GGUF Qwen3-VL: the vision projector file (None: the one mmproj*.gguf beside it)
+    task: str | None = None  # "embedding" / "rerank" (--embedding / --reranking); None: what the checkpoint says
+    pooling: str | None = None  # an embedding model's pooling (--pooling last|mean|cls); None: the checkpoint's
 
 
 @dataclass
@@ -88,6 +93,12 @@ class LoadedModel:
     multimodal: bool = False  # accepts image content parts
     images_hint: str = ""  # not multimodal: what a refused image part is told (a VL text model without --mmproj)
     phases: Phases = field(default_factory=Phases)  # where the load's time went (phases.py)
+    task: ModelTask | None = None  # an embedding model's or a reranker's (embedding.py); None: a generative model
+
+    @property
+    def kind(self) -> str:
+        """'generate', 'embedding' or 'rerank'."""
+        return "generate" if self.task is None else self.task.kind
 
 
 @dataclass
@@ -100,6 +111,7 @@ class Checkpoint:
     eos_ids: set[int]
     default_sampling: dict
     images_hint: str = ""  # see LoadedModel.images_hint
+    task_hint: dict | None = None  # what the checkpoint says it is for: {kind, pooling, normalize, source, head}
 
 
 def model_name(path: str) -> str:
@@ -198,6 +210,9 @@ def finish(path: str, ckpt: Checkpoint, options: LoadOptions, phases: Phases | N
     from ..kv_cache import KV_TYPES as KV_DTYPES
 
     cfg = ckpt.config
+    task = model_task(ckpt, options)
+    if task is not None and not options.kv_type_given:  # one short sequence per input: exact keys cost little
+        options = replace(options, kv_type="f32")
     dtype = np.dtype(KV_DTYPES[options.kv_type])
     per_token = 2 * getattr(cfg, "kv_layers", cfg.num_hidden_layers) * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
     trained = getattr(cfg, "max_position_embeddings", None) or DEFAULT_CONTEXT
@@ -225,8 +240,50 @@ def finish(path: str, ckpt: Checkpoint, options: LoadOptions, phases: Phases | N
             raise ModelLoadError(f"--prompt-cache-dir {options.prompt_cache_dir}: {e.strerror or e}") from None
     if options.prompt_cache_dir:
         phases.mark("prompt cache")
+    if task is not None:
+        log.info("serving %s (%s): /v1/embeddings, /api/embed%s", task.description, task.source,
+                 ", /v1/rerank" if task.kind == "rerank" else "")
     return LoadedModel(name=model_name(path), path=path, config=ckpt.config, model=ckpt.model,
                        tokenizer=ckpt.tokenizer, chat_template=ckpt.chat_template, engine=engine, options=options,
                        default_sampling=ckpt.default_sampling, context_length=ctx, eos_ids=ckpt.eos_ids,
                        multimodal=getattr(ckpt.model, "multimodal", False), images_hint=ckpt.images_hint,
-                       phases=phases)
+                       phases=phases, task=task)
+
+
+def model_task(ckpt: Checkpoint, options: LoadOptions) -> ModelTask | None:
+    """The ModelTask of an embedding model or a reranker (None: a generative model): the CLI's --embedding /
+    --reranking / --pooling over what the checkpoint says (ckpt.task_hint); the tokenizer's post-processor
+    affixes and the reranker's "yes"/"no" ids are read here."""
+    from ..embedding import POOLINGS, ModelTask
+    hint = dict(ckpt.task_hint or {})
+    kind = options.task or hint.get("kind")
+    if kind is None:
+        if options.pooling:
+            raise ModelLoadError("--pooling applies to an embedding model (add --embedding)")
+        return None
+    if getattr(ckpt.model, "multimodal", False) or getattr(ckpt.model, "moe_config", None) is not None:
+        raise ModelLoadError(f"--{'reranking' if kind == 'rerank' else 'embedding'} serves dense text decoders only")
+    source = hint.get("source", "") if hint.get("kind") == kind else f"--{'reranking' if kind == 'rerank' else 'embedding'}"
+    tok: Any = ckpt.tokenizer
+    if kind == "rerank":
+        yes, no = tok.id_of("yes"), tok.id_of("no")
+        if yes is None or no is None:
+            raise ModelLoadError("a reranker's vocabulary needs the tokens 'yes' and 'no'")
+        return ModelTask("rerank", "last", False, yes_no=(yes, no), head=hint.get("head"), source=source)
+    pooling = options.pooling or hint.get("pooling") or "last"
+    if pooling not in POOLINGS:
+        raise ModelLoadError(f"pooling {pooling!r} is not supported (supported: {', '.join(POOLINGS)})")
+    affixes = hint.get("affixes") or post_processor_affixes(tok)
+    return ModelTask("embedding", pooling, bool(hint.get("normalize", True)), affixes=affixes,
+                     source=source + (" (--pooling)" if options.pooling else ""))
+
+
+def post_processor_affixes(tok) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ids the tokenizer's post-processor puts before and after a text (BOS, Qwen3-Embedding's trailing
+    <|endoftext|>), found by encoding one text with and without it."""
+    plain = tok.encode("a")
+    full = tok.encode("a", add_special_tokens=True)
+    for i in range(len(full) - len(plain) + 1):
+        if full[i:i + len(plain)] == plain:
+            return tuple(full[:i]), tuple(full[i + len(plain):])
+    return (), ()

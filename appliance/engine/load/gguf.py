@@ -248,7 +248,10 @@ def read_gguf(path: str, options: LoadOptions, phases: Phases | None = None) -> 
         phases.mark("weights")
         tokenizer = build_tokenizer(meta)
         phases.mark("tokenizer")
+        task_hint = pooling_hint(meta, f)
         source = chat_templates(meta)
+        if source is None and task_hint is not None:  # an embedding file need not carry one (/apply-template only)
+            source = PLAIN_TEMPLATE
         if source is None:
             raise ValueError("no chat template in the metadata (tokenizer.chat_template)")
         template = ChatTemplate(source, tokenizer.special_tokens)
@@ -262,7 +265,8 @@ def read_gguf(path: str, options: LoadOptions, phases: Phases | None = None) -> 
         raise UnsafeTemplate(f"cannot load {path}: {e}") from None
     except (KeyError, ValueError, ChatTemplateError) as e:
         raise ModelLoadError(f"cannot load {path}: {e}") from None
-    return Checkpoint(cfg, model, tokenizer, template, eos, default_sampling(meta), images_hint=hint)
+    return Checkpoint(cfg, model, tokenizer, template, eos, default_sampling(meta), images_hint=hint,
+                      task_hint=task_hint)
 
 
 def with_vision(path: str, cfg: Qwen3Config, text, meta: dict[str, Any], tokenizer, options: LoadOptions):
@@ -287,3 +291,45 @@ def open_mmproj(path: str) -> MmprojFile:
     except (ValueError, OSError, IndexError, KeyError) as e:
         raise ModelLoadError(f"cannot read the mmproj file {path}: {e}") from None
     return MmprojFile(path, read_metadata(reader), GGUFModelFile(reader))
+
+
+# llama.cpp's enum llama_pooling_type as `<arch>.pooling_type` stores it
+GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
+GGUF_POOLING_RANK = 4
+PLAIN_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+
+
+def special_affixes(meta: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The BOS / EOS llama.cpp's tokenizer adds to a text (tokenizer.ggml.add_bos_token / add_eos_token; the
+    converter writes add_eos_token for Qwen3-Embedding, whose tokenizer appends <|endoftext|>)."""
+    def flag(name: str) -> tuple[int, ...]:
+        tid = meta.get(f"tokenizer.ggml.{name}_token_id")
+        return (int(tid),) if meta.get(f"tokenizer.ggml.add_{name}_token") and tid is not None else ()
+    return flag("bos"), flag("eos")
+
+
+def pooling_hint(meta: dict[str, Any], f: GGUFModelFile) -> dict | None:
+    """`<arch>.pooling_type` as llama.cpp's converter writes it: MEAN/CLS/LAST an embedding model (llama.cpp
+    normalises pooled embeddings), RANK a reranker whose `cls.output.weight` holds the "yes" and "no" rows of
+    the LM head (Qwen3-Reranker). NONE or absent: a generative model."""
+    arch = meta.get("general.architecture")
+    kind = meta.get(f"{arch}.pooling_type")
+    if kind is None or int(kind) == 0:
+        return None
+    src = f"{arch}.pooling_type {int(kind)}"
+    if int(kind) in GGUF_POOLING:
+        return {"kind": "embedding", "pooling": GGUF_POOLING[int(kind)], "normalize": True, "source": src,
+                "affixes": special_affixes(meta)}
+    if int(kind) == GGUF_POOLING_RANK:
+        if "cls.output.weight" not in f or "cls.weight" in f:
+            raise ValueError("a reranker (pooling_type RANK) is served with a 2-row cls.output.weight head only")
+        head = f.matrix("cls.output.weight")
+        rows = head.rows(np.arange(head.shape[0]))  # (2, hidden): "yes", "no"
+        if rows.shape[0] != 2:
+            raise ValueError(f"cls.output.weight has {rows.shape[0]} rows; a yes/no reranker has 2")
+        labels = [str(x) for x in (meta.get(f"{arch}.classifier.output_labels") or ("yes", "no"))]
+        if sorted(labels) != ["no", "yes"]:
+            raise ValueError(f"classifier labels {labels} are not a yes/no reranker's")
+        order = [labels.index("yes"), labels.index("no")]
+        return {"kind": "rerank", "head": np.ascontiguousarray(rows[order], dtype=np.float32), "source": src}
+    raise ValueError(f"pooling type {int(kind)} is not supported")

@@ -77,7 +77,37 @@ def read_hf_dir(path: str, options: LoadOptions, phases: Phases | None = None) -
     except (SafetensorsError, UnsupportedModelError, KeyError, ValueError, OSError) as e:
         raise ModelLoadError(f"cannot load {path}: {e}") from None
     gen_cfg = read_json(os.path.join(path, "generation_config.json"))
-    return Checkpoint(cfg, model, tokenizer, template, eos_ids_of(gen_cfg, cfg_dict, tokenizer), gen_cfg)
+    return Checkpoint(cfg, model, tokenizer, template, eos_ids_of(gen_cfg, cfg_dict, tokenizer), gen_cfg,
+                      task_hint=embedding_hint(path, cfg_dict))
+
+
+ST_POOLING = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
+
+
+def embedding_hint(path: str, cfg_dict: dict) -> dict | None:
+    """What a directory says about being an embedding model: sentence-transformers' modules.json (a Pooling
+    module, whose config.json names the pooling; a Normalize module), or a bare `Qwen3Model` (no LM head:
+    last-token pooling, normalised, as Qwen3-Embedding). A module we do not run (Dense) is refused."""
+    modules = read_json(os.path.join(path, "modules.json"))
+    if isinstance(modules, list) and modules:
+        kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules if isinstance(m, dict)}
+        unknown = set(kinds) - {"Transformer", "Pooling", "Normalize"}
+        if unknown:
+            raise ModelLoadError(f"sentence-transformers module(s) {', '.join(sorted(unknown))} are not supported "
+                                 f"(modules.json)")
+        if "Pooling" in kinds:
+            pdir = str(kinds["Pooling"].get("path") or "1_Pooling")
+            pcfg = read_json(os.path.join(path, pdir, "config.json"))
+            modes = [mode for key, mode in ST_POOLING.items() if pcfg.get(key)]
+            others = [k for k, v in pcfg.items() if k.startswith("pooling_mode_") and v and k not in ST_POOLING]
+            if len(modes) != 1 or others:
+                raise ModelLoadError(f"{pdir}/config.json: pooling {', '.join(others + modes) or 'none'} is not "
+                                     f"supported (one of: lasttoken, mean_tokens, cls_token)")
+            return {"kind": "embedding", "pooling": modes[0], "normalize": "Normalize" in kinds,
+                    "source": f"modules.json, {pdir}/config.json"}
+    if "Qwen3Model" in (cfg_dict.get("architectures") or ()):
+        return {"kind": "embedding", "pooling": "last", "normalize": True, "source": "config.json: Qwen3Model"}
+    return None
 
 
 def read_json(path: str) -> dict:
@@ -154,7 +184,9 @@ def build_decoder(st: SafeTensors, cfg: Qwen3Config, mlp_for_layer: Callable[[in
 
 def build_qwen3(st: SafeTensors, cfg_dict: dict, options: LoadOptions = LoadOptions()):
     cfg = Qwen3Config.from_dict(cfg_dict)
-    return cfg, build_decoder(st, cfg, lambda i: dense_mlp(st, HFNames(), i))
+    # a bare Qwen3Model (Qwen3-Embedding) is saved without the "model." prefix and without an LM head
+    names = HFNames("model." if any(k.startswith("model.") for k in st.keys()) else "")
+    return cfg, build_decoder(st, cfg, lambda i: dense_mlp(st, names, i), names)
 
 
 def hf_experts(st: SafeTensors, names: HFNames, i: int, n: int) -> Experts:
