@@ -30,16 +30,18 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal
 
 import trio
 
-from ..engine.embedding import EmbeddingResult
+from ..engine.embedding import EmbeddingJob, EmbeddingResult
 from ..engine.generate import FinishEvent
 
 if TYPE_CHECKING:
     from ..engine.generate import GenerationRequest
     from ..engine.load import LoadedModel
+
+    Job = GenerationRequest | EmbeddingJob  # what the engine thread runs
 
 log = logging.getLogger("appliance.worker")
 WorkerState = Literal["loading", "ready", "failed", "stopped"]
@@ -109,7 +111,7 @@ class WorkerStats:
 
 
 class _Job:
-    def __init__(self, request: GenerationRequest, send: trio.MemorySendChannel):
+    def __init__(self, request: Job, send: trio.MemorySendChannel):
         self.request = request
         self.send = send
         self.trace = JobTrace(prompt_tokens=len(getattr(request, "prompt_ids", ())))
@@ -246,9 +248,9 @@ class Worker:
         s.requests_started += 1
         last: FinishEvent | EmbeddingResult | EngineFailure | None = None  # delivered with the slot's release
         try:
-            run = getattr(job.request, "run", None)  # an embedding / rerank job (engine/embedding.py) runs itself
-            events = run(loaded.engine, job.should_cancel) if run is not None \
-                else loaded.engine.generate(job.request, job.should_cancel)
+            req = job.request  # an embedding / rerank job (engine/embedding.py) runs itself
+            events: Iterator[Any] = req.run(loaded.engine, job.should_cancel) if isinstance(req, EmbeddingJob) \
+                else loaded.engine.generate(req, job.should_cancel)
             for ev in events:
                 if isinstance(ev, (FinishEvent, EmbeddingResult)):  # the engine has already freed its cache
                     t.finish_reason = ev.reason
@@ -320,7 +322,7 @@ class Ticket:
             raise ShuttingDown()
         self._leave_line()
 
-    def start(self, request: GenerationRequest) -> trio.MemoryReceiveChannel:
+    def start(self, request: Job) -> trio.MemoryReceiveChannel:
         """Hand the request to the engine thread; events arrive on the returned channel, FinishEvent last."""
         assert self._holding and self._job is None
         send, recv = trio.open_memory_channel(math.inf)
