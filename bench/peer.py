@@ -84,12 +84,14 @@ def ensure_peer(log=sys.stderr) -> str:
 class LlamaCppPeer:
     """One llama.cpp model in a child process of the peer venv."""
 
-    def __init__(self, model_path: str, n_threads: int = 2, n_ctx: int = 1024, embedding: bool = False):
-        """embedding: llama.cpp's embedding mode (the file's pooling_type, normalised pooled vectors: `embed`)."""
+    def __init__(self, model_path: str, n_threads: int = 2, n_ctx: int = 1024, embedding: bool = False,
+                 prompt_lookup: int = 0):
+        """embedding: llama.cpp's embedding mode (the file's pooling_type, normalised pooled vectors: `embed`);
+        prompt_lookup: drafts of that many tokens from llama-cpp-python's LlamaPromptLookupDecoding (`generate`)."""
         self.proc = subprocess.Popen([ensure_peer(), os.path.abspath(__file__), "serve"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, bufsize=1)
         self.info = self._call(op="load", path=os.path.abspath(model_path), n_threads=n_threads, n_ctx=n_ctx,
-                               embedding=embedding)
+                               embedding=embedding, prompt_lookup=prompt_lookup)
 
     def _call(self, **req):
         self.proc.stdin.write(json.dumps(req) + "\n")
@@ -108,6 +110,11 @@ class LlamaCppPeer:
     def greedy(self, prompt: list[int], n: int) -> list[int]:
         """n greedy tokens after prompt (argmax of llama.cpp's logits, no sampler chain)."""
         return self._call(op="greedy", tokens=prompt, n=n)
+
+    def generate(self, tokens: list[int], n: int) -> dict:
+        """Greedy tokens through llama-cpp-python's Llama.generate (with the prompt-lookup draft when the peer was
+        opened with prompt_lookup=N) and the time from the first token to the last."""
+        return self._call(op="generate", tokens=list(map(int, tokens)), n=n)
 
     def logits(self, tokens: list[int]) -> list[list[float]]:
         """Logits (T, vocab) at every position of tokens."""
@@ -181,9 +188,14 @@ def _serve() -> None:
         if op == "load":
             emb = bool(req.get("embedding"))
             batch = req["n_ctx"] if emb else 512  # embeddings: a whole input in one micro-batch
+            draft = None
+            if req.get("prompt_lookup"):  # llama-cpp-python's own speculative decoding from the prompt
+                from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+                draft = LlamaPromptLookupDecoding(num_pred_tokens=int(req["prompt_lookup"]))
             llm = llama_cpp.Llama(req["path"], n_ctx=req["n_ctx"], n_threads=req["n_threads"],
                                   n_threads_batch=req["n_threads"], n_batch=batch, n_ubatch=batch,
-                                  logits_all=False, embedding=emb, verbose=False)
+                                  logits_all=draft is not None,  # (its scores buffer is sized by this flag)
+                                  embedding=emb, draft_model=draft, verbose=False)
             return {"version": llama_cpp.__version__, "n_vocab": llm.n_vocab()}
         if op == "embed":  # one text per decode (llama-server's /v1/embeddings with one slot does the same)
             vectors, n_tokens, t0 = [], 0, time.perf_counter()
@@ -202,6 +214,16 @@ def _serve() -> None:
                 out.append(argmax_last())
                 llm.eval([out[-1]])
             return out
+        if op == "generate":  # greedy through Llama.generate (its draft model, if any): tokens and decode time
+            llm.reset()
+            out, t_first = [], None
+            for tok in llm.generate(req["tokens"], top_k=1, temp=0.0, reset=True):
+                if t_first is None:
+                    t_first = time.perf_counter()
+                out.append(int(tok))
+                if len(out) >= req["n"] or tok == llm.token_eos():
+                    break
+            return {"tokens": out, "decode_s": time.perf_counter() - t_first}
         if op == "logits":
             rows = []
             llm.reset()

@@ -42,8 +42,8 @@ def test_health_head_byte_for_byte(server):
     r = c.read_head()
     body = c.read_body(r)
     c.close()
-    assert r.head == (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nAccess-Control-Allow-Origin: *\r\n"
-                      b"Content-Length: " + str(len(body)).encode() + b"\r\n" + LINE + b"\r\n")
+    assert r.head == (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: " + str(len(body)).encode() + b"\r\nVary: Origin\r\n" + LINE + b"\r\n")
 
 
 @pytest.mark.parametrize("raw,status", [

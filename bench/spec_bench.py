@@ -1,0 +1,128 @@
+"""Speculative decoding from the prompt against plain decoding and against llama.cpp, same file, same run.
+
+Three tasks, greedy, up to --tokens tokens each: rewrite (repeat a ~500-token passage), json (extract fields of
+that passage as JSON), chat (a free question). Per task and model, decode tok/s (first token to last) of:
+ours with n-gram drafts (the default, --spec ngram), ours plain (--spec none), llama.cpp plain
+(llama-cpp-python's Llama.generate) and llama-cpp-python's LlamaPromptLookupDecoding (10-token drafts), and our
+acceptance (accepted / drafted). Ratios are against llama.cpp plain. Median of --runs runs, engines interleaved.
+Our greedy tokens with and without drafts are checked to be identical (the run stops if not).
+
+Models: SmolLM2-135M-Instruct Q4_1 (real weights: its answers quote the prompt) and the Qwen3-1.7B-shaped random
+Q4_0 file of gguf_bench.py (random weights never quote anything: that row shows what drafting costs when it
+does not pay).
+
+    python bench/spec_bench.py [--models smollm2,q4_0] [--threads 2] [--tokens 128] [--runs 3]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from appliance.engine.generate import GenerationRequest
+from appliance.engine.load import LoadOptions, load_model
+from appliance.engine.sampling import SamplingParams
+from appliance.engine.speculative import SpecOptions
+from appliance.native import kernels
+from tests.support.gguf_files import peer_module
+
+PASSAGE = """The lighthouse on the northern cape was built in 1874 from granite quarried two miles inland. Its keeper,
+Thomas Hale, climbed the one hundred and twelve steps of the spiral stair every evening at dusk. He trimmed the wick,
+polished the great Fresnel lens until it shone, and wound the clockwork that turned the light once every thirty
+seconds. Ships far out at sea watched for its beam, and the fishermen of the village of Carrow said that as long as
+the old man kept the lamp burning, no boat would be lost on the rocks below the cape.
+
+In the winter of 1891 a storm blew for nine days without pause. The supply boat could not land, and Hale rationed
+the lamp oil, burning it only from dusk until midnight and again in the last two hours before dawn. On the seventh
+night the schooner Margaret Ellis, carrying coal from Newcastle, lost her foremast and drifted toward the cape. Hale
+saw her lights at two in the morning, lit every lamp he had, and rang the fog bell by hand until sunrise. The
+schooner's crew heard the bell, dropped both anchors in time, and rode out the storm a quarter of a mile from the
+rocks. When the weather cleared, the crew rowed ashore and climbed the stair to thank him.
+
+The lighthouse was automated in 1962 and the keeper's cottage became a small museum. Visitors can still see the
+brass bell, the logbook in which Hale recorded the storm, and the lens, which now turns under an electric motor.
+"""
+TASKS = {
+    "rewrite": f"Repeat the following text exactly, word for word, without any comment:\n\n{PASSAGE}",
+    "json": f"{PASSAGE}\nExtract from the text above, as a JSON object with the keys \"keeper\", \"built\", "
+            "\"steps\", \"storm_days\" and \"ship\", the values quoted from the text.",
+    "chat": "Write a short story about a robot who learns to paint.",
+}
+
+
+def model_files(names: list[str]) -> dict[str, str]:
+    import gguf_bench  # the same files gguf_bench measures (a sibling file; bench/ is not a package)
+    return dict(gguf_bench.bench_file(n) for n in names)
+
+
+def ours_run(loaded, ids: list[int], n: int) -> tuple[float, list[int], int, int]:
+    fin = list(loaded.engine.generate(GenerationRequest(ids, SamplingParams(temperature=0.0), max_tokens=n)))[-1]
+    t = fin.timings
+    steps = sum(t.decode_ms) / 1000.0
+    return (len(fin.token_ids) - 1) / steps if steps > 0 else 0.0, fin.token_ids, t.draft_n, t.draft_n_accepted
+
+
+def bench_model(label: str, path: str, threads: int, n: int, runs: int) -> list[dict]:
+    kernels.configure_threads(threads)
+    spec = load_model(path, LoadOptions(context_length=2048, threads=threads))
+    plain = load_model(path, LoadOptions(context_length=2048, threads=threads, spec=SpecOptions("none")))
+    for m in (spec, plain):
+        m.engine.warm_up()
+    peer = peer_module()
+    rows = []
+    with peer.LlamaCppPeer(path, n_threads=threads, n_ctx=2048) as lp, \
+            peer.LlamaCppPeer(path, n_threads=threads, n_ctx=2048, prompt_lookup=10) as lk:
+        for task, text in TASKS.items():
+            ids = spec.tokenizer.encode(spec.chat_template.render([{"role": "user", "content": text}],
+                                                                  add_generation_prompt=True))
+            r: dict = {"model": label, "task": task, "prompt": len(ids), "ours_spec": [], "ours_plain": [],
+                       "llama": [], "llama_lookup": [], "drafted": 0, "accepted": 0}
+            for _ in range(runs):
+                tok_s, tokens, drafted, accepted = ours_run(spec, ids, n)
+                r["ours_spec"].append(tok_s)
+                r["drafted"], r["accepted"], r["tokens"] = drafted, accepted, len(tokens)
+                tok_s_plain, tokens_plain, _, _ = ours_run(plain, ids, n)
+                r["ours_plain"].append(tok_s_plain)
+                if tokens != tokens_plain:
+                    raise SystemExit(f"{label}/{task}: drafts changed the greedy tokens")
+                for key, p in (("llama", lp), ("llama_lookup", lk)):
+                    g = p.generate(ids, len(tokens))
+                    r[key].append((len(g["tokens"]) - 1) / g["decode_s"] if g["decode_s"] > 0 else 0.0)
+            for key in ("ours_spec", "ours_plain", "llama", "llama_lookup"):
+                r[key] = statistics.median(r[key])
+            rows.append(r)
+            print_row(r)
+    return rows
+
+
+def print_row(r: dict) -> None:
+    base = r["llama"] or 1e-9
+    acc = f"{r['accepted']}/{r['drafted']}" if r["drafted"] else "0/0"
+    print(f"| {r['model']} | {r['task']} | {r['prompt']} | {r['tokens']} | {r['ours_spec']:.1f} "
+          f"({r['ours_spec'] / base:.2f}x) | {r['ours_plain']:.1f} ({r['ours_plain'] / base:.2f}x) | "
+          f"{r['llama']:.1f} | {r['llama_lookup']:.1f} ({r['llama_lookup'] / base:.2f}x) | {acc} |", flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="smollm2,q4_0")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=3)
+    a = ap.parse_args(argv)
+    print(f"load average {os.getloadavg()[0]:.1f}; {a.threads} threads; greedy, up to {a.tokens} tokens")
+    print("| model | task | prompt tokens | tokens | ours n-gram tok/s | ours plain tok/s | llama.cpp tok/s | "
+          "llama.cpp prompt lookup tok/s | accepted/drafted |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for label, path in model_files(a.models.split(",")).items():
+        bench_model(label, path, a.threads, a.tokens, a.runs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
