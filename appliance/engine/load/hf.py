@@ -24,7 +24,8 @@ from ..quant_weights import half_weight
 from ..safetensors import SafeTensors, SafetensorsError, to_float32
 from ..vision import Linear, PatchMerger, VisionBlock, VisionConfig, VisionTower, vision_ops
 from ..weights import DenseWeight
-from . import Checkpoint, LoadOptions, ModelLoadError
+from . import Checkpoint, LoadOptions, ModelFileError, ModelLoadError
+from .hf_check import check_decoder
 from .names import EXPERT_PROJECTIONS, HFNames
 from .phases import Phases
 
@@ -42,7 +43,7 @@ def read_hf_dir(path: str, options: LoadOptions, phases: Phases | None = None) -
     cfg_dict = read_json(cfg_path)
     model_type = cfg_dict.get("model_type")
     if model_type not in ARCHITECTURES:
-        raise ModelLoadError(f"unsupported model type {model_type!r} (supported: {', '.join(sorted(ARCHITECTURES))})")
+        raise ModelFileError(f"unsupported model type {model_type!r} (supported: {', '.join(sorted(ARCHITECTURES))})")
     try:
         st = SafeTensors(path)
         cfg, model = ARCHITECTURES[model_type](st, cfg_dict, options)
@@ -51,8 +52,8 @@ def read_hf_dir(path: str, options: LoadOptions, phases: Phases | None = None) -
         phases.mark("tokenizer")
         template = ChatTemplate.from_dir(path)
         phases.mark("chat template")
-    except (SafetensorsError, UnsupportedModelError, KeyError, ValueError, OSError) as e:
-        raise ModelLoadError(f"cannot load {path}: {e}") from None
+    except (SafetensorsError, UnsupportedModelError, KeyError, ValueError, TypeError, OSError) as e:
+        raise ModelFileError(f"cannot load {path}: {e}") from None
     gen_cfg = read_json(os.path.join(path, "generation_config.json"))
     return Checkpoint(cfg, model, tokenizer, template, eos_ids_of(gen_cfg, cfg_dict, tokenizer), gen_cfg)
 
@@ -64,7 +65,7 @@ def read_json(path: str) -> dict:
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot read {path}: {e}") from None
+        raise ModelFileError(f"cannot read {path}: {e}") from None
 
 
 def eos_ids_of(gen_cfg: dict, cfg: dict, tokenizer) -> set[int]:
@@ -131,6 +132,7 @@ def build_decoder(st: SafeTensors, cfg: Qwen3Config, mlp_for_layer: Callable[[in
 
 def build_qwen3(st: SafeTensors, cfg_dict: dict, options: LoadOptions = LoadOptions()):
     cfg = Qwen3Config.from_dict(cfg_dict)
+    check_decoder(st, cfg)
     return cfg, build_decoder(st, cfg, lambda i: dense_mlp(st, HFNames(), i))
 
 
@@ -152,6 +154,7 @@ def build_qwen3_moe(st: SafeTensors, cfg_dict: dict, options: LoadOptions = Load
     moe = MoEConfig.from_dict(cfg_dict)
     stats = ExpertLoadStats()
     names = HFNames()
+    check_decoder(st, cfg, names, moe)
 
     def mlp_for_layer(i: int):
         if not moe.is_sparse(i):
@@ -218,6 +221,7 @@ def build_qwen3_vl(st: SafeTensors, cfg_dict: dict, options: LoadOptions = LoadO
     if sum(section) != cfg.head_dim // 2:
         raise ValueError(f"mrope_section {section} does not cover head_dim {cfg.head_dim}")
     names = HFNames(_prefix(st, "model.language_model.", "language_model.model.", "model."))
+    check_decoder(st, cfg, names)
     text = build_decoder(st, cfg, lambda i: dense_mlp(st, names, i), names)
     vcfg = VisionConfig.from_dict(cfg_dict["vision_config"])
     vision = build_vision(st, vcfg, _prefix(st, "model.visual.", "visual."))
