@@ -222,7 +222,9 @@ def safetensors_mutations(data: bytes) -> Iterator[tuple[str, bytes]]:
     yield "header deeply nested", st_join(b"[" * 100000 + b"]" * 100000, body)
     yield "header not UTF-8", st_join(b'{"\xff\xfe": 1}', body)
     yield "header 1e400", st_join(json.dumps(header).replace(str(len(body)), "1e400").encode(), body)
-    yield "header unaligned (no padding)", st_join(header, body, pad_to=1)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * ((-(8 + len(text))) % 8 + 1)  # the data section starts at an odd byte
+    yield "header unaligned (odd data start)", struct.pack("<Q", len(text)) + text + body
     yield "header entry a number", st_join({**h, names[0]: 5}, body)
     yield "10^6-entry metadata", st_join({**h, "__metadata__": {f"k{i}": "" for i in range(10**6)}}, body)
 

@@ -140,14 +140,15 @@ class GGUFFile:
     def _u64(self) -> int:
         return _U64.unpack(self._take(8))[0]
 
-    def _string(self, what: str = "string") -> str:
+    def _string(self, what: str = "") -> str:
         n = self._u64()
+        where = f"{what}: " if what else ""
         if n > len(self._buf) - self._off:
-            raise ValueError(f"{what}: length {n} runs past the end of the file")
+            raise ValueError(f"{where}string length {n} runs past the end of the file")
         try:
             return str(self._take(n), "utf-8")
         except UnicodeDecodeError:
-            raise ValueError(f"{what}: not valid UTF-8") from None
+            raise ValueError(f"{where}not valid UTF-8") from None
 
     def _value(self, vtype: int, depth: int = 0) -> Any:
         if vtype == STRING:
