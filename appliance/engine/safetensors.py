@@ -85,7 +85,7 @@ class _File:
             if b > a:
                 spans.append((a, b, name))
         spans.sort()
-        for (_, end, x), (start, _, y) in zip(spans, spans[1:]):
+        for (_, end, x), (start, _, y) in zip(spans, spans[1:], strict=False):
             if start < end:
                 raise SafetensorsError(f"{path}: tensors {x} and {y} overlap")
 

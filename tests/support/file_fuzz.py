@@ -65,11 +65,13 @@ def gguf_layout(data: bytes) -> tuple[list[Pos], int]:
             out.append(Pos(off + 4, 8, "alen", label + "[len]"))
             n = u64(off + 4)
             off += 12
+            if itype in SCALAR_SIZES:
+                off += n * SCALAR_SIZES[itype]  # array items: covered by bit flips, not one by one
+                if off > len(data):
+                    raise IndexError("array past the end")
+                return
             for j in range(n):
-                if itype in SCALAR_SIZES:
-                    off += SCALAR_SIZES[itype]  # array items: covered by bit flips, not one by one
-                else:
-                    value(itype, f"{label}[{j}]")
+                value(itype, f"{label}[{j}]")
         else:
             size = SCALAR_SIZES[vtype]
             out.append(Pos(off, size, "float" if vtype in (6, 12) else "int", label))
@@ -191,7 +193,7 @@ def safetensors_mutations(data: bytes) -> Iterator[tuple[str, bytes]]:
         e = header[name]
         a, b = e["data_offsets"]
 
-        def variant(label, **change):
+        def variant(label, name=name, **change):
             h = json.loads(json.dumps(header))
             h[name].update(change)
             return f"{name}: {label}", st_join(h, body)

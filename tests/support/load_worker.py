@@ -42,9 +42,9 @@ def reset_peak() -> bool:
 def load_one(path: str, kind: str) -> dict:
     import numpy as np
 
+    from appliance.cli import load_failure_status
     from appliance.engine.load import ModelLoadError, load_model
     from appliance.engine.load.gguf_file import GGUFFile
-    from appliance.cli import load_failure_status
 
     reset_peak()
     before = rss_kb("VmRSS")

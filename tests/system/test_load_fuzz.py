@@ -73,7 +73,7 @@ def header_bytes(data: bytes, kind: str) -> int:
         return min(len(data), 8 + int.from_bytes(data[:8].ljust(8, b"\0"), "little"))
     try:
         return ff.gguf_layout(data)[1]
-    except (struct.error, IndexError, KeyError, UnicodeDecodeError, RecursionError):  # a damaged layout: all of it
+    except (struct.error, IndexError, KeyError, ValueError, OverflowError, RecursionError):  # damaged: all of it
         return len(data)
 
 
@@ -104,7 +104,7 @@ def run_cases(workers, base: str, kind: str, cases, tmp_path) -> list[ff.Outcome
         results += ff.load_all(workers, items)
         headers += [header_bytes(data, kind) for _, data in cases[start:start + CHUNK]]
         shutil.rmtree(chunk)
-    for o, header in zip(results, headers):
+    for o, header in zip(results, headers, strict=True):
         assert_clean(o, kind, header)
     COUNTS[kind] = COUNTS.get(kind, 0) + len(results)
     return results

@@ -165,6 +165,7 @@ def finish(path: str, ckpt: Checkpoint, options: LoadOptions, phases: Phases | N
     choose_runner(decoder_of(ckpt.model))  # native or numpy layers: once, after the weights took their form
     phases.mark("layers")
     import numpy as np
+
     from ..kv_cache import KV_TYPES as KV_DTYPES
 
     cfg = ckpt.config

@@ -27,19 +27,30 @@ from typing import Any
 
 import numpy as np
 
-from .. import qwen3
-from ..config import Qwen3Config
-from ..qwen3_moe import ExpertLoadStats, Experts, MoEConfig, SparseMoE
-from ..quant_weights import QuantWeight
-from ..weights import DenseWeight
 from appliance.native.qtypes import QType
 
+from .. import qwen3
+from ..config import Qwen3Config
+from ..quant_weights import QuantWeight
+from ..qwen3_moe import ExpertLoadStats, Experts, MoEConfig, SparseMoE
+from ..weights import DenseWeight
 from . import Checkpoint, LoadOptions, ModelFileError, UnsupportedTensorType
-from .gguf_check import MAX_CONTEXT, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, check_tensors, \
-    meta_float, meta_int, meta_list, meta_str
+from .gguf_check import (
+    MAX_CONTEXT,
+    MAX_EXPERTS,
+    MAX_HEADS,
+    MAX_LAYERS,
+    MAX_VOCAB,
+    MAX_WIDTH,
+    check_tensors,
+    meta_float,
+    meta_int,
+    meta_list,
+    meta_str,
+)
 from .gguf_file import GGUFFile
-from .phases import Phases
 from .names import EXPERT_PROJECTIONS, gguf_experts, gguf_layer, gguf_model
+from .phases import Phases
 
 SUPPORTED_ARCHITECTURES = ("qwen3", "qwen2", "llama", "qwen3moe")
 # GGUF general.sampling.* -> generation_config.json names (what LoadedModel.default_sampling holds)

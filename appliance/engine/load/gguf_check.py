@@ -20,7 +20,14 @@ from typing import Any
 
 from appliance.native.qtypes import QType
 
-from .names import EXPERT_PROJECTIONS, LAYER_TENSORS, MODEL_TENSORS, gguf_experts, gguf_layer, gguf_model
+from .names import (
+    EXPERT_PROJECTIONS,
+    LAYER_TENSORS,
+    MODEL_TENSORS,
+    gguf_experts,
+    gguf_layer,
+    gguf_model,
+)
 
 MAX_WIDTH = 1 << 20  # hidden, intermediate sizes
 MAX_HEADS = 1 << 12

@@ -249,6 +249,6 @@ class GGUFFile:
             dup = next(t.name for t in self.tensors if t.name in seen or seen.add(t.name))  # type: ignore[func-returns-value]
             raise ValueError(f"duplicate tensor name {dup}")
         spans = sorted((t.data_offset, t.data_offset + t.n_bytes, t.name) for t in self.tensors)
-        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        for (_, end, a), (start, _, b) in zip(spans, spans[1:], strict=False):
             if start < end:
                 raise ValueError(f"tensors {a} and {b} overlap in the file")

@@ -18,11 +18,18 @@ import numpy as np
 from .. import qwen3
 from ..config import Qwen3Config, UnsupportedModelError
 from ..image_processing import ImageProcessor
+from ..quant_weights import half_weight
 from ..qwen3_moe import ExpertLoadStats, Experts, MoEConfig, SparseMoE
 from ..qwen3_vl import Qwen3VLModel
-from ..quant_weights import half_weight
 from ..safetensors import SafeTensors, SafetensorsError, to_float32
-from ..vision import Linear, PatchMerger, VisionBlock, VisionConfig, VisionTower, vision_ops
+from ..vision import (
+    Linear,
+    PatchMerger,
+    VisionBlock,
+    VisionConfig,
+    VisionTower,
+    vision_ops,
+)
 from ..weights import DenseWeight
 from . import Checkpoint, LoadOptions, ModelFileError, ModelLoadError
 from .hf_check import check_decoder
