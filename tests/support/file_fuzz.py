@@ -88,6 +88,8 @@ def gguf_layout(data: bytes) -> tuple[list[Pos], int]:
         out.append(Pos(off, 4, "n_dims", name + "[n_dims]"))
         nd = u32(off)
         off += 4
+        if off + 8 * nd > len(data):  # a mutated count: no walk of billions of dimensions
+            raise IndexError("dimensions past the end")
         for j in range(nd):
             out.append(Pos(off, 8, "dim", f"{name}[ne{j}]"))
             off += 8
