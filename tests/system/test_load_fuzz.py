@@ -166,6 +166,8 @@ mutation = st.one_of(
 def apply(data: bytes, kind: str, muts) -> bytes:
     end, fields = _fields(data, kind)
     for op, where, value in muts:
+        if op in ("flip", "byte") and where % end >= len(data):
+            continue  # after a cut: nothing there to change
         if op == "flip":
             i = where % end
             data = data[:i] + bytes([data[i] ^ (1 << value)]) + data[i + 1:]
