@@ -3,7 +3,8 @@
 Policies:
 - User mistakes (missing or unreadable model path, unsupported model, port in use, bad key file) end with one
   `kestrel-appliance: error: ...` line on stderr and a non-zero exit, never a traceback (status 2 for a model
-  file holding a tensor type the kernels do not serve, naming the tensor and its type; 1 otherwise).
+  file whose content is refused, naming the file, the tensor or key and the problem: invalid, inconsistent,
+  or a tensor type the kernels do not serve; 1 otherwise).
 - Serving binds first (so /health answers 503 while the model loads), then loads the model on the engine
   thread; under systemd (Type=notify) READY=1 goes out once the model is loaded, WATCHDOG=1 pings come from
   the event loop, STOPPING=1 at the first signal.
@@ -33,8 +34,8 @@ log = logging.getLogger("appliance")
 
 
 class CliError(Exception):
-    """A user-facing failure: printed as one line, exit status `status` (1; 2 for a model file holding a tensor
-    type the kernels do not serve, or an mmproj file that is not the text model's pair)."""
+    """A user-facing failure: printed as one line, exit status `status` (1; 2 for a model file whose content is
+    refused)."""
 
     def __init__(self, message: str, status: int = 1):
         super().__init__(message)
@@ -42,8 +43,8 @@ class CliError(Exception):
 
 
 def load_failure_status(err: BaseException | None) -> int:
-    from .engine.load import MismatchedPair, UnsafeTemplate, UnsupportedTensorType
-    return 2 if isinstance(err, (UnsupportedTensorType, UnsafeTemplate, MismatchedPair)) else 1
+    from .engine.load import ModelFileError
+    return 2 if isinstance(err, ModelFileError) else 1
 
 
 class VersionAction(argparse.Action):

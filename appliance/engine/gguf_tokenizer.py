@@ -71,16 +71,16 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     if model != "gpt2":
         raise GGUFTokenizerError(f"tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2')")
     pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZERS:
+    if not isinstance(pre, str) or pre not in PRE_TOKENIZERS:
         raise GGUFTokenizerError(f"pre-tokenizer {pre!r} is not supported (supported: {', '.join(sorted(PRE_TOKENIZERS))})")
-    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-    types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
-    merges = merge_pairs(meta.get("tokenizer.ggml.merges") or [])
-    if len(types) != len(tokens):
-        raise GGUFTokenizerError(f"{len(tokens)} tokens but {len(types)} token types")
+    tokens, types, merges = checked_vocab(meta)
     # padding entries may repeat; the first id wins (dict() keeps the last value given: feed ids high to low)
     vocab: dict[str, int] = dict(zip(reversed(tokens), range(len(tokens) - 1, -1, -1)))
-    tk = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    try:  # a merge of tokens not in the vocabulary is refused by the library (with a bare Exception)
+        tk = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merge_pairs(merges), fuse_unk=False,
+                                             byte_fallback=False))
+    except Exception as e:
+        raise GGUFTokenizerError(f"tokenizer.ggml.merges: {e}") from None
     build_pre, nfc = PRE_TOKENIZERS[pre]
     tk.pre_tokenizer = build_pre()
     if nfc:
@@ -92,13 +92,43 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     tk.add_tokens([a for _, a in added if not a.special])
     named = {}
     for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
-        i = meta.get(f"tokenizer.ggml.{key}_token_id")
-        if i is not None and 0 <= int(i) < len(tokens):
-            named[name] = tokens[int(i)]
+        i = token_id(meta, key, len(tokens))
+        if i is not None:
+            named[name] = tokens[i]
     return Tokenizer(tk, special_tokens=named, byte_level=True, vocab=vocab)
 
 
 MERGE_CHUNK = 8192   # rules per join/split: each is one C call holding the GIL (all of Qwen3's at once: 0.4 s)
+
+
+def checked_vocab(meta: dict[str, Any]) -> tuple[list[str], list[int], list[str]]:
+    """tokens, token types and merge rules, each of the type it must be (GGUFTokenizerError naming the key)."""
+    tokens, types = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.token_type")
+    merges = meta.get("tokenizer.ggml.merges")
+    if not isinstance(tokens, list) or not tokens or not all(type(t) is str for t in tokens):
+        raise GGUFTokenizerError("tokenizer.ggml.tokens must be a non-empty array of strings")
+    if types is None:
+        types = [NORMAL] * len(tokens)
+    if not isinstance(types, list) or not all(type(t) is int for t in types):
+        raise GGUFTokenizerError("tokenizer.ggml.token_type must be an array of integers")
+    if len(types) != len(tokens):
+        raise GGUFTokenizerError(f"{len(tokens)} tokens but {len(types)} token types")
+    if merges is None:
+        merges = []
+    if not isinstance(merges, list) or not all(type(m) is str and " " in m for m in merges):
+        raise GGUFTokenizerError("tokenizer.ggml.merges must be an array of 'a b' strings")
+    return tokens, types, merges
+
+
+def token_id(meta: dict[str, Any], key: str, n_tokens: int) -> int | None:
+    """tokenizer.ggml.{key}_token_id: an integer (else GGUFTokenizerError); None when absent or outside the
+    vocabulary (llama.cpp ignores such ids too)."""
+    i = meta.get(f"tokenizer.ggml.{key}_token_id")
+    if i is None:
+        return None
+    if type(i) is not int:
+        raise GGUFTokenizerError(f"tokenizer.ggml.{key}_token_id must be an integer, got {type(i).__name__}")
+    return i if 0 <= i < n_tokens else None
 
 
 def merge_pairs(merges: list[str]) -> list[tuple[str, str]]:
@@ -118,10 +148,8 @@ def merge_pairs(merges: list[str]) -> list[tuple[str, str]]:
 
 def eog_ids(meta: dict[str, Any]) -> set[int]:
     """Ids that end a generation (see the module policy)."""
-    tokens = meta["tokenizer.ggml.tokens"]
-    types = meta.get("tokenizer.ggml.token_type") or []
-    ids = {int(meta[f"tokenizer.ggml.{k}_token_id"]) for k in ("eos", "eot", "eom")
-           if meta.get(f"tokenizer.ggml.{k}_token_id") is not None}
+    tokens, types, _ = checked_vocab(meta)
+    ids = {i for i in (token_id(meta, k, len(tokens)) for k in ("eos", "eot", "eom")) if i is not None}
     for name in EOG_NAMES:
         try:
             i = tokens.index(name)

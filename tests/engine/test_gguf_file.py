@@ -57,7 +57,8 @@ def write_every_type(path: str, extra=None) -> None:
     w.add_array("t.strs", ["a", "", "Ġthe", "日本"])
     w.add_array("t.bools", [True, False])
     w.add_array("t.nothing", [])
-    w.add_uint32("general.alignment", 64)
+    w.add_custom_alignment(64)  # the key and the padding the writer uses (a file whose offsets break its own
+    # alignment is refused, as llama.cpp refuses it)
     rng = np.random.default_rng(0)
     w.add_tensor("f32.matrix", rng.standard_normal((3, 8)).astype(np.float32))
     w.add_tensor("f32.vector", rng.standard_normal(5).astype(np.float32))
@@ -121,3 +122,90 @@ def test_load_model_says_what_is_wrong_with_a_truncated_model(tmp_path):
         out.write(f.read(os.path.getsize(src) // 2))
     with pytest.raises(ModelLoadError, match="cannot read GGUF file .*past the end"):
         load_model(path)
+
+
+# ---- validation before trust (issue 30): each class the fuzz tier found or the issue lists ----------------------
+
+def _tiny(tmp_path, arch="qwen3") -> tuple[str, bytes]:
+    from tests.support.tiny_files import write_gguf
+    path = write_gguf(str(tmp_path / f"{arch}.gguf"), arch)
+    return path, open(path, "rb").read()
+
+
+def _field(data: bytes, label: str):
+    from tests.support.file_fuzz import gguf_layout
+    return next(p for p in gguf_layout(data)[0] if p.label == label)
+
+
+def _write(tmp_path, data: bytes, name="bad.gguf") -> str:
+    p = str(tmp_path / name)
+    with open(p, "wb") as f:
+        f.write(data)
+    return p
+
+
+@pytest.mark.parametrize("label,value,why", [
+    ("blk.0.attn_k.weight[offset]", None, "overlap"),  # points at blk.0.attn_q.weight's bytes
+    ("blk.0.attn_k.weight[offset]", 1, "not a multiple of the alignment"),
+    ("blk.0.attn_k.weight[n_dims]", 5, "5 dimensions"),
+    ("blk.0.attn_k.weight[ne1]", 0, "dimension of 0 elements"),
+    ("blk.0.attn_k.weight[ne1]", 2**63, "more than 2\\^63 elements"),
+    ("blk.0.attn_k.weight[type]", 99, "unknown tensor type id 99"),
+    ("tensor count", 2**60, "tensor count .* is impossible"),
+    ("key count", 2**62, "metadata key count .* is impossible"),
+    ("tokenizer.ggml.tokens[len]", 2**62, "tokenizer.ggml.tokens: array of .* runs past the end"),
+    ("general.architecture", 2**62, "general.architecture: string length .* runs past the end"),
+])
+def test_crafted_headers_are_refused_naming_the_field(tmp_path, label, value, why):
+    from tests.support.file_fuzz import put
+    _, data = _tiny(tmp_path)
+    p = _field(data, label)
+    if value is None:
+        value = int.from_bytes(data[_field(data, "blk.0.attn_q.weight[offset]").off:][:8], "little")
+    with pytest.raises(ValueError, match=why):
+        GGUFFile(_write(tmp_path, put(data, p.off, p.size, value)))
+
+
+def test_overlapping_tensors_no_longer_load(tmp_path):
+    """The issue's known bug: a file whose tensors share bytes loaded and served garbage; now it is refused."""
+    from tests.support.file_fuzz import put
+    _, data = _tiny(tmp_path)
+    q = int.from_bytes(data[_field(data, "blk.1.ffn_up.weight[offset]").off:][:8], "little")
+    p = _field(data, "blk.1.ffn_gate.weight[offset]")
+    with pytest.raises(ModelLoadError, match="bad.gguf: tensors blk.1.ffn_(up|gate).weight and blk.1.ffn_(gate|up).weight overlap"):
+        load_model(_write(tmp_path, put(data, p.off, 8, q)))
+
+
+@pytest.mark.parametrize("label,value,why", [
+    ("qwen3.attention.head_count", 0, "head_count: 0 is out of range"),
+    ("qwen3.attention.head_count_kv", 3, "head_count_kv: 3 is out of range"),
+    ("qwen3.embedding_length", 48, "token_embd.weight has shape \\[32, 300\\]; .* give \\[48, 300\\]"),
+    ("qwen3.block_count", 3, "tensor blk.2.attn_norm.weight is missing"),
+    ("qwen3.block_count", 1, "tensor blk.1.attn_k.weight is not used by this model's layers"),
+    ("qwen3.feed_forward_length", 2**31 - 1, "out of range"),
+    ("tokenizer.ggml.eos_token_id[vtype]", 6, "eos_token_id must be an integer"),
+])
+def test_metadata_is_typed_and_consistent_with_the_tensors(tmp_path, label, value, why):
+    from tests.support.file_fuzz import put
+    _, data = _tiny(tmp_path)
+    p = _field(data, label)
+    with pytest.raises(ModelLoadError, match=why):
+        load_model(_write(tmp_path, put(data, p.off, p.size, value)))
+
+
+def test_nan_metadata_is_refused(tmp_path):
+    import struct
+    _, data = _tiny(tmp_path)
+    p = _field(data, "qwen3.attention.layer_norm_rms_epsilon")
+    bad = data[:p.off] + struct.pack("<f", float("nan")) + data[p.off + 4:]
+    with pytest.raises(ModelLoadError, match="layer_norm_rms_epsilon: nan is out of range"):
+        load_model(_write(tmp_path, bad))
+
+
+def test_a_merge_of_unknown_tokens_is_a_clean_refusal(tmp_path):
+    """tokenizers raises a bare Exception for a merge of tokens outside the vocabulary (a traceback before)."""
+    _, data = _tiny(tmp_path)
+    bad = data.replace(b"\x03\x00\x00\x00\x00\x00\x00\x00h e", b"\x03\x00\x00\x00\x00\x00\x00\x00h \x01")
+    assert bad != data
+    with pytest.raises(ModelLoadError, match="tokenizer.ggml.merges: .*out of vocabulary"):
+        load_model(_write(tmp_path, bad))

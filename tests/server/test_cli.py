@@ -249,3 +249,30 @@ def test_extension_events_flag(tiny_qwen3_tied, cli_server):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+
+
+def test_a_crafted_model_file_is_one_line_and_status_2(tmp_path):
+    """Files that fail validation (issue 30): GGUF tensors sharing bytes, a safetensors tensor whose offsets run past
+    the file: both modes print one line naming the file, the tensor and the problem, exit status 2."""
+    import shutil
+
+    from tests.support.file_fuzz import gguf_layout, put, st_join, st_split
+    from tests.support.tiny_files import write_gguf, write_hf_dir
+    path = write_gguf(str(tmp_path / "ok.gguf"))
+    data = open(path, "rb").read()
+    fields = {p.label: p for p in gguf_layout(data)[0]}
+    up = int.from_bytes(data[fields["blk.0.ffn_up.weight[offset]"].off:][:8], "little")
+    bad = tmp_path / "overlap.gguf"
+    bad.write_bytes(put(data, fields["blk.0.ffn_gate.weight[offset]"].off, 8, up))
+    hf = write_hf_dir(str(tmp_path / "hf"))
+    header, body = st_split(open(os.path.join(hf, "model.safetensors"), "rb").read())
+    header["model.norm.weight"]["data_offsets"] = [len(body) - 64, len(body) + 64]
+    shutil.copytree(hf, tmp_path / "hf-bad")
+    (tmp_path / "hf-bad" / "model.safetensors").write_bytes(st_join(header, body))
+    for model, fragments in ((str(bad), (str(bad), "blk.0.ffn_gate.weight", "overlap")),
+                             (str(tmp_path / "hf-bad"), ("hf-bad/model.safetensors", "model.norm.weight",
+                                                         "outside the"))):
+        for args in (["--prompt", "hi"], ["--port", "0"]):
+            p = run(["--model", model, *args], timeout=120)
+            assert p.returncode == 2, p.stderr
+            assert_one_line_error(p, *fragments)

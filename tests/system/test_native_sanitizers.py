@@ -6,7 +6,9 @@ the sanitizer's runtime (Python itself is not instrumented; only our C code is c
 kernel and decoder tests and the entry points' fuzz tests (tests/native/test_native_fuzz*.py: hypothesis-drawn shapes,
 layouts and invalid arguments; numpy's arrays come from the sanitizer's malloc, so a read past one is caught) run,
 then the decode soak (tests/system/native_soak.py: a real Q4_1 GGUF on the x8
-copies built while a second thread runs products and switches SIMD levels, the pool resized between rounds).
+copies built while a second thread runs products and switches SIMD levels, the pool resized between rounds), and
+a tenth of the loader's fuzz tier under ASan (tests/system/test_load_fuzz.py: mutated GGUF and safetensors files
+loaded and run one token through the C decoder in worker processes that inherit the checked library).
 Any sanitizer report fails the test, with the report in the message.
 """
 from __future__ import annotations
@@ -65,4 +67,14 @@ def test_decode_soak_under_sanitizer(kind, rounds, tokens, tmp_path):
     proc = subprocess.run([sys.executable, "tests/system/native_soak.py", "--model", model, "--rounds", str(rounds),
                            "--tokens", str(tokens)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert proc.stdout.count("round ") == rounds, proc.stdout + proc.stderr[-3000:]
+    assert_clean(proc, logs)
+
+
+def test_load_fuzz_under_address_sanitizer(tmp_path):
+    env, logs = checked_env("address", tmp_path)
+    env["KESTREL_LOAD_FUZZ_SCALE"] = "0.1"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not sanitize",
+                           "tests/system/test_load_fuzz.py"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=3600)
+    assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-3000:]
     assert_clean(proc, logs)

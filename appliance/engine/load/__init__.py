@@ -2,9 +2,13 @@
 
 Policies:
 - Models load from local paths only. Every problem with the path or the checkpoint is a ModelLoadError with
-  a one-line message (the CLI prints it and exits non-zero: 2 for an UnsupportedTensorType, a file holding a
-  tensor type the kernels do not serve, and a MismatchedPair, an mmproj file that is not the text model's; 1
-  otherwise).
+  a one-line message (the CLI prints it and exits non-zero: 2 for a ModelFileError, a model file whose content
+  is refused (invalid, inconsistent with itself, or holding what we do not serve, like a tensor type no kernel
+  runs: UnsupportedTensorType; an mmproj file that is not the text model's pair: MismatchedPair; a chat
+  template that breaks its sandbox: UnsafeTemplate), naming the file, the tensor or key and the problem; 1 otherwise).
+- A file is validated before it is trusted: its container (gguf_file.py, safetensors.py), then what the
+  architecture needs of it (gguf_check.py, hf_check.py), all before any byte is wrapped into a weight or
+  reaches the C kernels.
 - Everything a deployment chooses at load time travels in one LoadOptions, passed into loading; nothing is
   set on the loaded model afterwards. The format loaders build (config, model, tokenizer, template, eos ids,
   default sampling); `finish` is the one shared tail that applies the options and builds the Engine.
@@ -45,15 +49,19 @@ class ModelLoadError(Exception):
     """The model path cannot be served; the message is one line for the user."""
 
 
-class UnsupportedTensorType(ModelLoadError):
+class ModelFileError(ModelLoadError):
+    """The model file's content is refused: invalid, inconsistent, or of a kind we do not serve."""
+
+
+class UnsupportedTensorType(ModelFileError):
     """A weight is stored in a type no kernel serves (the message names the tensor and its type)."""
 
 
-class UnsafeTemplate(ModelLoadError):
+class UnsafeTemplate(ModelFileError):
     """The model's chat template broke the sandbox or its budget when rendered at load (chat_template.vet)."""
 
 
-class MismatchedPair(ModelLoadError):
+class MismatchedPair(ModelFileError):
     """A vision projector (mmproj file) that does not belong to the text model: another width, projector, ..."""
 
 

@@ -37,7 +37,20 @@ from ..config import Qwen3Config
 from ..quant_weights import QuantWeight
 from ..qwen3_moe import ExpertLoadStats, Experts, MoEConfig, SparseMoE
 from ..weights import DenseWeight
-from . import Checkpoint, LoadOptions, MismatchedPair, ModelLoadError, UnsafeTemplate, UnsupportedTensorType
+from . import Checkpoint, LoadOptions, MismatchedPair, ModelFileError, UnsafeTemplate, UnsupportedTensorType
+from .gguf_check import (
+    MAX_CONTEXT,
+    MAX_EXPERTS,
+    MAX_HEADS,
+    MAX_LAYERS,
+    MAX_VOCAB,
+    MAX_WIDTH,
+    check_tensors,
+    meta_float,
+    meta_int,
+    meta_list,
+    meta_str,
+)
 from .gguf_file import GGUFFile
 from .gguf_vl import NO_MMPROJ_HINT, VL_ARCHITECTURES, MmprojFile, find_mmproj, qwen3_vl_from_pair
 from .names import EXPERT_PROJECTIONS, gguf_experts, gguf_layer, gguf_model
@@ -122,37 +135,49 @@ def f32_value(v) -> float:
 
 
 def config_from_metadata(meta: dict[str, Any], f: GGUFModelFile) -> Qwen3Config:
+    """The decoder's configuration from the file's own keys, each typed and bounded (gguf_check.meta_int ...)."""
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
 
-    def key(name, default=None):
-        v = meta.get(f"{arch}.{name}", default)
-        if v is None:
-            raise ValueError(f"metadata key {arch}.{name} is missing")
-        return v
+    def key(name, default=None, hi=MAX_WIDTH):
+        return meta_int(meta, f"{arch}.{name}", default, 1, hi)
 
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    scaling = meta_str(meta, f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", None) or "rope_freqs.weight" in f:
         raise ValueError(f"rope scaling {scaling if scaling != 'none' else 'llama3 (rope_freqs)'!r} is not supported")
-    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
-    head_dim = int(key("attention.key_length", hidden // heads))
-    if int(key("rope.dimension_count", head_dim)) != head_dim:
+    hidden, heads = key("embedding_length"), key("attention.head_count", hi=MAX_HEADS)
+    head_dim = key("attention.key_length", max(1, hidden // heads), hi=MAX_WIDTH)
+    if key("attention.value_length", head_dim) != head_dim:
+        raise ValueError(f"metadata key {arch}.attention.value_length differs from the key length {head_dim}")
+    if head_dim % 2:
+        raise ValueError(f"metadata key {arch}.attention.key_length: head size {head_dim} is odd (RoPE pairs)")
+    if key("rope.dimension_count", head_dim) != head_dim:
         raise ValueError("partial rotary embeddings are not supported")
-    vocab = len(meta["tokenizer.ggml.tokens"]) if "tokenizer.ggml.tokens" in meta else int(key("vocab_size"))
+    kv_heads = key("attention.head_count_kv", heads, hi=heads)
+    if heads % kv_heads:
+        raise ValueError(f"metadata key {arch}.attention.head_count_kv: {kv_heads} does not divide {heads} heads")
+    tokens = meta_list(meta, "tokenizer.ggml.tokens", str)
+    vocab = len(tokens) if tokens else key("vocab_size", hi=MAX_VOCAB)
+    if key("vocab_size", vocab, hi=MAX_VOCAB) != vocab:
+        raise ValueError(f"metadata key {arch}.vocab_size differs from the {vocab} tokens of tokenizer.ggml.tokens")
     return Qwen3Config(
-        model_type=arch, vocab_size=int(meta.get(f"{arch}.vocab_size", vocab)), hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")), num_hidden_layers=int(key("block_count")),
-        num_attention_heads=heads, num_key_value_heads=int(key("attention.head_count_kv", heads)),
-        head_dim=head_dim, rms_norm_eps=f32_value(key("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=f32_value(key("rope.freq_base", 10000.0)), max_position_embeddings=int(key("context_length")),
+        model_type=arch, vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=key("feed_forward_length"), num_hidden_layers=key("block_count", hi=MAX_LAYERS),
+        num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=head_dim, rms_norm_eps=f32_value(meta_float(meta, f"{arch}.attention.layer_norm_rms_epsilon",
+                                                             1e-6, 0.0, 1.0)),
+        rope_theta=f32_value(meta_float(meta, f"{arch}.rope.freq_base", 10000.0, 0.0, 1e12)),
+        max_position_embeddings=key("context_length", hi=MAX_CONTEXT),
         tie_word_embeddings=gguf_model("lm_head") not in f,
         qk_norm=gguf_layer(0, "q_norm") in f, attention_bias=gguf_layer(0, "q_bias") in f)
 
 
 def build_model(cfg: Qwen3Config, f: GGUFModelFile, meta: dict[str, Any] | None = None) -> qwen3.Qwen3Model:
-    """The decoder over GGUF tensor names (blk.N.attn_q.weight, ...)."""
+    """The decoder over GGUF tensor names (blk.N.attn_q.weight, ...), once the tensor set and its shapes are
+    checked against the config (gguf_check.check_tensors: before any tensor is wrapped)."""
     moe = moe_config_from_metadata(meta or {}, cfg.model_type) if cfg.model_type in MOE_ARCHITECTURES else None
+    check_tensors(f.tensors, cfg, moe)
     stats = ExpertLoadStats()
     permuted = cfg.model_type == "llama"
     q_order = unpermute_rows(cfg.num_attention_heads * cfg.head_dim, cfg.num_attention_heads) if permuted else None
@@ -186,15 +211,10 @@ def build_model(cfg: Qwen3Config, f: GGUFModelFile, meta: dict[str, Any] | None 
 
 # ---- mixture of experts ---------------------------------------------------------------------------------
 
-def moe_config_from_metadata(meta: dict[str, Any], arch: str) -> MoEConfig:
-    def key(name):
-        v = meta.get(f"{arch}.{name}")
-        if v is None:
-            raise ValueError(f"metadata key {arch}.{name} is missing")
-        return int(v)
-
-    return MoEConfig(num_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"),
-                     moe_intermediate_size=key("expert_feed_forward_length"),
+def moe_config_from_metadata(meta: dict, arch: str) -> MoEConfig:
+    n = meta_int(meta, f"{arch}.expert_count", None, 1, MAX_EXPERTS)
+    return MoEConfig(num_experts=n, num_experts_per_tok=meta_int(meta, f"{arch}.expert_used_count", None, 1, n),
+                     moe_intermediate_size=meta_int(meta, f"{arch}.expert_feed_forward_length", None, 1, MAX_WIDTH),
                      norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)))
 
 
@@ -238,7 +258,7 @@ def read_gguf(path: str, options: LoadOptions, phases: Phases | None = None) -> 
     try:
         reader = open_gguf(path)
     except (ValueError, OSError, IndexError, KeyError) as e:  # not a GGUF, truncated, unknown type...
-        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from None
+        raise ModelFileError(f"cannot read GGUF file {path}: {e}") from None
     try:
         meta = read_metadata(reader)
         phases.mark("model file")
@@ -252,7 +272,7 @@ def read_gguf(path: str, options: LoadOptions, phases: Phases | None = None) -> 
         source = chat_templates(meta)
         if source is None and task_hint is not None:  # an embedding file need not carry one (/apply-template only)
             source = PLAIN_TEMPLATE
-        if source is None:
+        if source is None or not isinstance(source, (str, dict)):
             raise ValueError("no chat template in the metadata (tokenizer.chat_template)")
         template = ChatTemplate(source, tokenizer.special_tokens)
         phases.mark("chat template")
@@ -264,7 +284,7 @@ def read_gguf(path: str, options: LoadOptions, phases: Phases | None = None) -> 
     except UnsafeTemplateError as e:
         raise UnsafeTemplate(f"cannot load {path}: {e}") from None
     except (KeyError, ValueError, ChatTemplateError) as e:
-        raise ModelLoadError(f"cannot load {path}: {e}") from None
+        raise ModelFileError(f"cannot load {path}: {e}") from None
     return Checkpoint(cfg, model, tokenizer, template, eos, default_sampling(meta), images_hint=hint,
                       task_hint=task_hint)
 

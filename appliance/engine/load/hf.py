@@ -43,9 +43,17 @@ from ..qwen3_5 import (
 from ..qwen3_moe import ExpertLoadStats, Experts, MoEConfig, SparseMoE
 from ..qwen3_vl import Qwen3VLModel
 from ..safetensors import SafeTensors, SafetensorsError, to_float32
-from ..vision import Linear, PatchMerger, VisionBlock, VisionConfig, VisionTower, vision_ops
+from ..vision import (
+    Linear,
+    PatchMerger,
+    VisionBlock,
+    VisionConfig,
+    VisionTower,
+    vision_ops,
+)
 from ..weights import DenseWeight
-from . import Checkpoint, LoadOptions, ModelLoadError, UnsafeTemplate
+from . import Checkpoint, LoadOptions, ModelFileError, ModelLoadError, UnsafeTemplate
+from .hf_check import check_decoder
 from .names import EXPERT_PROJECTIONS, HFNames
 from .phases import Phases
 
@@ -63,7 +71,7 @@ def read_hf_dir(path: str, options: LoadOptions, phases: Phases | None = None) -
     cfg_dict = read_json(cfg_path)
     model_type = cfg_dict.get("model_type")
     if model_type not in ARCHITECTURES:
-        raise ModelLoadError(f"unsupported model type {model_type!r} (supported: {', '.join(sorted(ARCHITECTURES))})")
+        raise ModelFileError(f"unsupported model type {model_type!r} (supported: {', '.join(sorted(ARCHITECTURES))})")
     try:
         st = SafeTensors(path)
         cfg, model = ARCHITECTURES[model_type](st, cfg_dict, options)
@@ -74,8 +82,8 @@ def read_hf_dir(path: str, options: LoadOptions, phases: Phases | None = None) -
         phases.mark("chat template")
     except UnsafeTemplateError as e:
         raise UnsafeTemplate(f"cannot load {path}: {e}") from None
-    except (SafetensorsError, UnsupportedModelError, KeyError, ValueError, OSError) as e:
-        raise ModelLoadError(f"cannot load {path}: {e}") from None
+    except (SafetensorsError, UnsupportedModelError, KeyError, ValueError, TypeError, OSError) as e:
+        raise ModelFileError(f"cannot load {path}: {e}") from None
     gen_cfg = read_json(os.path.join(path, "generation_config.json"))
     return Checkpoint(cfg, model, tokenizer, template, eos_ids_of(gen_cfg, cfg_dict, tokenizer), gen_cfg,
                       task_hint=embedding_hint(path, cfg_dict))
@@ -117,7 +125,7 @@ def read_json(path: str) -> dict:
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot read {path}: {e}") from None
+        raise ModelFileError(f"cannot read {path}: {e}") from None
 
 
 def eos_ids_of(gen_cfg: dict, cfg: dict, tokenizer) -> set[int]:
@@ -186,6 +194,7 @@ def build_qwen3(st: SafeTensors, cfg_dict: dict, options: LoadOptions = LoadOpti
     cfg = Qwen3Config.from_dict(cfg_dict)
     # a bare Qwen3Model (Qwen3-Embedding) is saved without the "model." prefix and without an LM head
     names = HFNames("model." if any(k.startswith("model.") for k in st.keys()) else "")
+    check_decoder(st, cfg, names)
     return cfg, build_decoder(st, cfg, lambda i: dense_mlp(st, names, i), names)
 
 
@@ -207,6 +216,7 @@ def build_qwen3_moe(st: SafeTensors, cfg_dict: dict, options: LoadOptions = Load
     moe = MoEConfig.from_dict(cfg_dict)
     stats = ExpertLoadStats()
     names = HFNames()
+    check_decoder(st, cfg, names, moe)
 
     def mlp_for_layer(i: int):
         if not moe.is_sparse(i):
@@ -316,6 +326,8 @@ def build_qwen3_vl(st: SafeTensors, cfg_dict: dict, options: LoadOptions = LoadO
     if sum(section) != cfg.head_dim // 2:
         raise ValueError(f"mrope_section {section} does not cover head_dim {cfg.head_dim}")
     names = HFNames(_prefix(st, "model.language_model.", "language_model.model.", "model."))
+    if mlp is None:  # the MoE text side's experts are checked as they are read (hf_experts)
+        check_decoder(st, cfg, names)
     text = build_decoder(st, cfg, mlp(names) if mlp else (lambda i: dense_mlp(st, names, i)), names)
     vcfg = VisionConfig.from_dict(cfg_dict["vision_config"])
     vision = build_vision(st, vcfg, _prefix(st, "model.visual.", "visual."))
