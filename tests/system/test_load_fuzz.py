@@ -21,11 +21,9 @@ import shutil
 import struct
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from tests.support import file_fuzz as ff
-from tests.support import tiny_files
+from tests.support import file_fuzz as ff, tiny_files
 
 SCALE = float(os.environ.get("KESTREL_LOAD_FUZZ_SCALE", "1"))
 SLACK = 48 << 20  # bytes of peak RSS growth allowed beyond the file size (Python objects of a load, measured ~23 MB)

@@ -309,7 +309,7 @@ def open_mmproj(path: str) -> MmprojFile:
     try:
         reader = open_gguf(path)
     except (ValueError, OSError, IndexError, KeyError) as e:
-        raise ModelLoadError(f"cannot read the mmproj file {path}: {e}") from None
+        raise ModelFileError(f"cannot read the mmproj file {path}: {e}") from None
     return MmprojFile(path, read_metadata(reader), GGUFModelFile(reader))
 
 

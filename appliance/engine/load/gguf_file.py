@@ -219,8 +219,9 @@ class GGUFFile:
         except (ValueError, KeyError):  # a type the kernels do not serve: gguf's name, so the error can say it
             import gguf
             try:
-                qtype = gguf.GGMLQuantizationType(type_id)
-                block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
+                gg_type = gguf.GGMLQuantizationType(type_id)
+                block, type_bytes = gguf.GGML_QUANT_SIZES[gg_type]
+                qtype = gg_type  # type: ignore[assignment]  # the Tensor carries gguf's type, named in the error
             except (ValueError, KeyError):
                 raise ValueError(f"tensor {name}: unknown tensor type id {type_id}") from None
         if ne0 % block:
