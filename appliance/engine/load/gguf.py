@@ -177,7 +177,8 @@ def build_model(cfg: Qwen3Config, f: GGUFModelFile, meta: dict[str, Any] | None 
     """The decoder over GGUF tensor names (blk.N.attn_q.weight, ...), once the tensor set and its shapes are
     checked against the config (gguf_check.check_tensors: before any tensor is wrapped)."""
     moe = moe_config_from_metadata(meta or {}, cfg.model_type) if cfg.model_type in MOE_ARCHITECTURES else None
-    check_tensors(f.tensors, cfg, moe)
+    rank = (meta or {}).get(f"{cfg.model_type}.pooling_type") == GGUF_POOLING_RANK  # a reranker's yes/no head
+    check_tensors(f.tensors, cfg, moe, frozenset({"cls.output.weight"}) if rank else frozenset())
     stats = ExpertLoadStats()
     permuted = cfg.model_type == "llama"
     q_order = unpermute_rows(cfg.num_attention_heads * cfg.head_dim, cfg.num_attention_heads) if permuted else None

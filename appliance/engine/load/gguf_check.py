@@ -103,9 +103,10 @@ def expected_shapes(cfg, moe, sparse_layers: set[int], qk_norm: bool, bias: bool
 VECTOR_TYPES = (QType.F32, QType.F16)
 
 
-def check_tensors(path_tensors: dict, cfg, moe=None) -> set[int]:
-    """Refuse (ValueError naming the tensor) unless the file's tensors are exactly the decoder's, each of the shape
-    the config gives. Returns the sparse (mixture-of-experts) layers."""
+def check_tensors(path_tensors: dict, cfg, moe=None, heads: frozenset[str] = frozenset()) -> set[int]:
+    """Refuse (ValueError naming the tensor) unless the file's tensors are exactly the decoder's (and the extra
+    `heads` the file's kind reads, such as a reranker's cls.output.weight), each of the shape the config gives.
+    Returns the sparse (mixture-of-experts) layers."""
     sparse = {i for i in range(cfg.num_hidden_layers) if gguf_layer(i, "router") in path_tensors} if moe else set()
     want = expected_shapes(cfg, moe, sparse, cfg.qk_norm, cfg.attention_bias)
     for name, shape in want.items():
@@ -117,7 +118,7 @@ def check_tensors(path_tensors: dict, cfg, moe=None) -> set[int]:
             raise ValueError(f"tensor {name} has shape {list(got)}; the model's hyper-parameters give {list(shape)}")
         if len(shape) == 1 and t.tensor_type not in VECTOR_TYPES:
             raise ValueError(f"tensor {name} has type {t.tensor_type.name}; a 1-D tensor must be F32 or F16")
-    extra = sorted(set(path_tensors) - set(want))
+    extra = sorted(set(path_tensors) - set(want) - heads)
     if extra:
         known = [v[1] for v in LAYER_TENSORS.values()] + [v[1] for v in MODEL_TENSORS.values()] \
             + [f"ffn_{p}_exps.weight" for p in EXPERT_PROJECTIONS]
