@@ -111,10 +111,11 @@ class LlamaCppPeer:
         """n greedy tokens after prompt (argmax of llama.cpp's logits, no sampler chain)."""
         return self._call(op="greedy", tokens=prompt, n=n)
 
-    def generate(self, tokens: list[int], n: int) -> dict:
+    def generate(self, tokens: list[int], n: int, direct: bool = False) -> dict:
         """Greedy tokens through llama-cpp-python's Llama.generate (with the prompt-lookup draft when the peer was
-        opened with prompt_lookup=N) and the time from the first token to the last."""
-        return self._call(op="generate", tokens=list(map(int, tokens)), n=n)
+        opened with prompt_lookup=N), or `direct`ly (eval + argmax, as `bench` times llama.cpp), and the time from
+        the first token to the last."""
+        return self._call(op="generate", tokens=list(map(int, tokens)), n=n, direct=direct)
 
     def logits(self, tokens: list[int]) -> list[list[float]]:
         """Logits (T, vocab) at every position of tokens."""
@@ -217,6 +218,14 @@ def _serve() -> None:
         if op == "generate":  # greedy through Llama.generate (its draft model, if any): tokens and decode time
             llm.reset()
             out, t_first = [], None
+            if req.get("direct"):  # llama.cpp's decode without llama-cpp-python's sampler: eval + argmax
+                llm.eval(req["tokens"])
+                out.append(argmax_last())
+                t_first = time.perf_counter()
+                while len(out) < req["n"] and out[-1] != llm.token_eos():
+                    llm.eval([out[-1]])
+                    out.append(argmax_last())
+                return {"tokens": out, "decode_s": time.perf_counter() - t_first}
             for tok in llm.generate(req["tokens"], top_k=1, temp=0.0, reset=True):
                 if t_first is None:
                     t_first = time.perf_counter()

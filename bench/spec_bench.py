@@ -2,9 +2,10 @@
 
 Three tasks, greedy, up to --tokens tokens each: rewrite (repeat a ~500-token passage), json (extract fields of
 that passage as JSON), chat (a free question). Per task and model, decode tok/s (first token to last) of:
-ours with n-gram drafts (the default, --spec ngram), ours plain (--spec none), llama.cpp plain
-(llama-cpp-python's Llama.generate) and llama-cpp-python's LlamaPromptLookupDecoding (10-token drafts), and our
-acceptance (accepted / drafted). Ratios are against llama.cpp plain. Median of --runs runs, engines interleaved.
+ours with n-gram drafts (the default, --spec ngram), ours plain (--spec none), llama.cpp plain (its decode with
+an argmax, as gguf_bench times it), llama-cpp-python's Llama.generate (its Python sampler per token) plain and
+with its LlamaPromptLookupDecoding (10-token drafts), and our acceptance (accepted / drafted). Ratios are against
+llama.cpp plain. Median of --runs runs, engines interleaved.
 Our greedy tokens with and without drafts are checked to be identical (the run stops if not).
 
 Models: SmolLM2-135M-Instruct Q4_1 (real weights: its answers quote the prompt) and the Qwen3-1.7B-shaped random
@@ -81,7 +82,7 @@ def bench_model(label: str, path: str, threads: int, n: int, runs: int) -> list[
             ids = spec.tokenizer.encode(spec.chat_template.render([{"role": "user", "content": text}],
                                                                   add_generation_prompt=True))
             r: dict = {"model": label, "task": task, "prompt": len(ids), "ours_spec": [], "ours_plain": [],
-                       "llama": [], "llama_lookup": [], "drafted": 0, "accepted": 0}
+                       "llama": [], "llama_generate": [], "llama_lookup": [], "drafted": 0, "accepted": 0}
             for _ in range(runs):
                 tok_s, tokens, drafted, accepted = ours_run(spec, ids, n)
                 r["ours_spec"].append(tok_s)
@@ -90,10 +91,11 @@ def bench_model(label: str, path: str, threads: int, n: int, runs: int) -> list[
                 r["ours_plain"].append(tok_s_plain)
                 if tokens != tokens_plain:
                     raise SystemExit(f"{label}/{task}: drafts changed the greedy tokens")
-                for key, p in (("llama", lp), ("llama_lookup", lk)):
-                    g = p.generate(ids, len(tokens))
+                for key, p, direct in (("llama", lp, True), ("llama_generate", lp, False),
+                                       ("llama_lookup", lk, False)):
+                    g = p.generate(ids, len(tokens), direct=direct)
                     r[key].append((len(g["tokens"]) - 1) / g["decode_s"] if g["decode_s"] > 0 else 0.0)
-            for key in ("ours_spec", "ours_plain", "llama", "llama_lookup"):
+            for key in ("ours_spec", "ours_plain", "llama", "llama_generate", "llama_lookup"):
                 r[key] = statistics.median(r[key])
             rows.append(r)
             print_row(r)
@@ -105,7 +107,8 @@ def print_row(r: dict) -> None:
     acc = f"{r['accepted']}/{r['drafted']}" if r["drafted"] else "0/0"
     print(f"| {r['model']} | {r['task']} | {r['prompt']} | {r['tokens']} | {r['ours_spec']:.1f} "
           f"({r['ours_spec'] / base:.2f}x) | {r['ours_plain']:.1f} ({r['ours_plain'] / base:.2f}x) | "
-          f"{r['llama']:.1f} | {r['llama_lookup']:.1f} ({r['llama_lookup'] / base:.2f}x) | {acc} |", flush=True)
+          f"{r['llama']:.1f} | {r['llama_generate']:.1f} | {r['llama_lookup']:.1f} ({r['llama_lookup'] / base:.2f}x) | "
+          f"{acc} |", flush=True)
 
 
 def main(argv=None) -> int:
@@ -117,8 +120,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     print(f"load average {os.getloadavg()[0]:.1f}; {a.threads} threads; greedy, up to {a.tokens} tokens")
     print("| model | task | prompt tokens | tokens | ours n-gram tok/s | ours plain tok/s | llama.cpp tok/s | "
-          "llama.cpp prompt lookup tok/s | accepted/drafted |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "llama-cpp-python generate tok/s | its prompt lookup tok/s | accepted/drafted |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for label, path in model_files(a.models.split(",")).items():
         bench_model(label, path, a.threads, a.tokens, a.runs)
     return 0
