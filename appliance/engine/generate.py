@@ -4,8 +4,9 @@ Policies:
 - The engine thread owns the model and one KV cache slot. A prompt is prefilled in chunks (`prefill_chunk`
   tokens) so a cancellation is seen between chunks; decode runs one token a step and polls `should_cancel`
   before each. With speculation (speculative.py) a step feeds the token with its drafts and the verified run
-  is emitted token by token, `should_cancel` still polled before each. Text leaves through an IncrementalDetokenizer (never a broken UTF-8 character) and a
-  StopMatcher (never part of a stop string). Exactly one TokenEvent per decoded token.
+  is emitted token by token, `should_cancel` still polled before each. Text leaves through an
+  IncrementalDetokenizer (never a broken UTF-8 character) and a StopMatcher (never part of a stop string).
+  Exactly one TokenEvent per decoded token.
 - Prefix reuse: the cache keeps the sequence of the last request (prompt, decoded tokens, or the whole chunks
   a cancelled prefill committed) and `cache_tokens` says which ids it holds. A new request keeps the longest
   prefix it shares with that sequence or with a copy in `store` (PrefixStore: earlier sequences under the
@@ -148,9 +149,6 @@ class Engine:
         # engine-side counters, for tests and /metrics
         self.prefill_chunks_run = 0
         self.decode_steps_run = 0
-        self.verify_steps_run = 0  # of the decode steps, those that fed a token with its drafts
-        self.draft_tokens = 0
-        self.draft_tokens_accepted = 0
         self.spec = spec
         self.drafter = drafter  # a new Drafter per request
         self.step_ms: float | None = None  # a one-token decode step, running mean (speculation pays against it)
@@ -160,7 +158,8 @@ class Engine:
         kernels' row rearrangement, page faults) happens at load, not in the first request's latency. The
         token goes after the active sequence and is taken back: a prefix adopted from the disk stays active."""
         n = len(self.cache_tokens)
-        if n + 1 > self.cache.max_len or self.cache_images or (n and self._exact):  # no room after it, or image state truncate drops
+        # no room after it, or state that truncate drops (image runs; recurrent states have no way back from it)
+        if n + 1 > self.cache.max_len or self.cache_images or (n and self._exact):
             self.drop_sequence()
             n = 0
         token = min(self.eos_ids) if self.eos_ids else 0
@@ -374,7 +373,6 @@ class Engine:
                 spec.drafter.extend([token])
             if run and token == drafted[0]:  # accepted: the next position's logits are already computed
                 timings.draft_n_accepted += 1
-                self.draft_tokens_accepted += 1
                 logits = run.pop(0)
                 drafted.pop(0)
                 t_step = time.perf_counter()
@@ -388,18 +386,15 @@ class Engine:
                 run, drafted = [], []
             draft = self._draft(spec, budget - len(generated))
             t_step = t_fwd = time.perf_counter()
+            self.decode_steps_run += 1  # a forward of the token, with its drafts if any
             if draft:
                 out = self._forward([token] + draft, "all")  # (1 + k, V)
                 assert out is not None and spec is not None
                 logits, run, drafted = out[0], list(out[1:]), list(draft)
                 spec.verify = (len(draft), _ms(t_fwd))
                 timings.draft_n += len(draft)
-                self.draft_tokens += len(draft)
-                self.verify_steps_run += 1
-                self.decode_steps_run += 1
             else:
                 logits = cast(np.ndarray, self._forward([token], "last"))  # "last": never None
-                self.decode_steps_run += 1
                 if spec is not None:
                     spec.length.plain_step(_ms(t_fwd))
                     self.step_ms = spec.length.step_ms
