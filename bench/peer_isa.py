@@ -6,6 +6,12 @@ with SIGILL on its first AMX tile instruction. So each instruction set is probed
 that uses it (AMX: after the same arch_prctl permission request ggml makes) and running it in a child
 process; only what ran enables the matching GGML_* option.
 
+And where AMX does run, the peer is still built without it: llama.cpp's AMX buffer type (used for batched
+matmuls of Q4_0/Q4_1/Q8_0/K-quant/IQ4_XS weights) segfaults in ggml_backend_amx_mul_mat on K-quant files
+(llama.cpp issue 20824, open; seen here on prompt processing of Q4_K_M/Q5_K_M/IQ4_XS files at 0.3.36) and
+gave wrong Q4_0/Q4_1 results (PR 16315). A reference must be right before it is fast, and no board we ship
+to has AMX, so on any CPU listing amx_tile the build is the explicit form with AMX off.
+
     cmake_args()   # '-DGGML_NATIVE=ON ...' when a native build is safe here, else explicit GGML_* flags
 """
 from __future__ import annotations
@@ -91,14 +97,16 @@ def usable() -> dict[str, bool]:
 
 def cmake_args(base: str = "") -> str:
     """llama.cpp's CMAKE_ARGS for this host. GGML_NATIVE=ON (which the compiler resolves from CPUID) when the
-    host has no AMX flag or AMX really runs; otherwise GGML_NATIVE=OFF with every GGML_* instruction-set option
-    set to what its probe showed (AMX off). KESTREL_PEER_ISA=probe forces the explicit form anywhere."""
+    host has no AMX flag; otherwise GGML_NATIVE=OFF with every other GGML_* instruction-set option set to what
+    its probe showed, and AMX always off (see the policy above). KESTREL_PEER_ISA=probe forces the explicit
+    form anywhere."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"{NATIVE_ARGS} {base}".strip()
     forced = os.environ.get("KESTREL_PEER_ISA", "") == "probe"
-    if not forced and ("amx_tile" not in cpuinfo_flags() or runs("amx")):
+    if not forced and "amx_tile" not in cpuinfo_flags():
         return f"{NATIVE_ARGS} {base}".strip()
     ok = usable()
+    ok["amx"] = False  # llama.cpp's AMX kernels crash on K-quants: never the reference
     opts = ["-DGGML_NATIVE=OFF"]
     for name, (_, _, options) in _PROBES.items():
         opts += [f"-D{o}={'ON' if ok[name] else 'OFF'}" for o in options]
