@@ -5,8 +5,10 @@ Policies:
   `kestrel-appliance: error: ...` line on stderr and a non-zero exit, never a traceback (status 2 for a model
   file whose content is refused, naming the file, the tensor or key and the problem: invalid, inconsistent,
   or a tensor type the kernels do not serve; 1 otherwise).
-- Serving binds first (so /health answers 503 while the model loads), then loads the model on the engine
-  thread; under systemd (Type=notify) READY=1 goes out once the model is loaded, WATCHDOG=1 pings come from
+- Serving binds first (so /health answers 503 "Loading model" while the model loads, as does every request that
+  needs the model), then loads the model on the engine thread; until it is loaded (or has failed) a connection
+  the event loop leaves waiting (the load's native code holds the GIL) is answered by the server's GIL-free
+  busy responder (h11_server.answer_while_busy) with the same 503; under systemd (Type=notify) READY=1 goes out once the model is loaded, WATCHDOG=1 pings come from
   the event loop, STOPPING=1 at the first signal.
 - SIGTERM/SIGINT: stop accepting, send queued requests away (503 server_shutdown), let running ones finish
   within --grace seconds, then end them with a `server_shutdown` error (streams: an error event and the end
@@ -302,7 +304,7 @@ async def serve(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
     from .engine.load import model_name
     from .engine.load.phases import startup_line
     from .h11_server import HttpServer, ServerConfig
-    from .server.app import Api, ApiConfig
+    from .server.app import Api, ApiConfig, loading_response
     from .server.worker import Worker
 
     worker = Worker(load=lambda: _load(args, serving=True), queue_limit=args.queue)
@@ -316,6 +318,8 @@ async def serve(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
         await server.listen()
     except OSError as e:
         raise CliError(e.strerror or str(e)) from None
+    if not server.answer_while_busy(*loading_response()):
+        log.info("no native library: while the model loads, only the event loop answers")
     status = 0
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
@@ -333,6 +337,9 @@ async def serve(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
             async def on_loaded() -> None:
                 nonlocal status
                 await worker.ready.wait()
+                answered = await server.stop_busy_answers()
+                if answered:
+                    log.info("%d connection(s) got 503 Loading model while the load held the interpreter", answered)
                 if worker.state == "failed":
                     err = worker.load_error
                     print(f"{PROG}: error: {err}" if str(err) else f"{PROG}: error: {err!r}", file=sys.stderr)

@@ -26,6 +26,11 @@ Policies:
 - One access-log line per request (protocol/access_log.py) when it has ended, whatever way: the application
   adds its notes (tokens, queue wait, the error's reason) to `Exchange.notes`; malformed request heads get one
   too.
+- While the model loads (answer_while_busy .. stop_busy_answers), a native thread that needs no GIL
+  (native/busy_responder.py) answers any connection the event loop has not accepted within BUSY_GRACE_S with
+  the application's fixed loading response (503, `Connection: close`; no access-log line, the count is logged
+  at the end): third-party native code in the load holds the GIL for up to seconds, and a watchdog or a load
+  balancer must still get its answer. The sockets it watches close only after it has stopped.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Awaitable, Callable
 from urllib.parse import unquote
 
@@ -44,6 +50,7 @@ import trio
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
+from .native.busy_responder import BusyResponder
 from .protocol.access_log import access_level, access_line, peer_name, request_id
 from .protocol.board import board_headers, with_board
 from .protocol.errors import ApiError, body_too_large, error_body, internal_error, server_shutdown
@@ -55,6 +62,7 @@ RECV_SIZE = 65536
 LINGER_S = 2.0                 # lingering close after an unread request body
 LINGER_BYTES = 64 * 1024 * 1024
 CUT_S = 1.0                    # past the grace period: time to write the cut responses' last bytes
+BUSY_GRACE_S = 0.05            # answer_while_busy: how long a connection waits for the event loop first
 CLIENT_CLOSED = 499            # the outcome of a request whose client left before its response was whole (nginx)
 
 
@@ -503,6 +511,7 @@ class HttpServer:
         self.listeners: list[trio.SocketListener] = []
         self.ports: list[int] = []
         self._accepting = trio.CancelScope()
+        self._busy = BusyResponder(BUSY_GRACE_S)
 
     async def listen(self) -> None:
         """Bind now (errors surface here: port in use, bad host). Records the bound ports."""
@@ -526,6 +535,7 @@ class HttpServer:
                 async with trio.open_nursery() as accept:
                     for ln in self.listeners:
                         accept.start_soon(self._accept_loop, ln, nursery)
+            await self.stop_busy_answers()
             for ln in self.listeners:
                 await ln.aclose()
 
@@ -550,8 +560,24 @@ class HttpServer:
         finally:
             self.connections.discard(conn)
 
+    def answer_while_busy(self, status: int, headers: tuple[tuple[bytes, bytes], ...], body: bytes) -> bool:
+        """From now until stop_busy_answers(), a connection the event loop leaves waiting BUSY_GRACE_S is
+        answered with this response by a native thread that needs no GIL (native/busy_responder.py), and
+        closed. False when there is no native library (the event loop answers alone)."""
+        head = [b"HTTP/1.1 %d %s" % (status, HTTPStatus(status).phrase.encode()),
+                *(k + b": " + v for k, v in (*headers, *self.board)),
+                b"Content-Length: %d" % len(body), b"Connection: close"]
+        return self._busy.start([ln.socket.fileno() for ln in self.listeners], b"\r\n".join(head) + b"\r\n\r\n" + body)
+
+    async def stop_busy_answers(self) -> int:
+        """End answer_while_busy (the thread is joined off the event loop); how many connections it answered."""
+        if not self._busy.running:
+            return 0
+        return await trio.to_thread.run_sync(self._busy.stop)
+
     async def shutdown(self, grace_period: float | None = None) -> None:
         """Stop accepting; idle connections close now, busy ones get the grace period, then are cancelled."""
+        await self.stop_busy_answers()  # before the listening sockets close
         grace = self.cfg.grace_period if grace_period is None else grace_period
         self.closing = True
         self._accepting.cancel()

@@ -9,7 +9,6 @@ big.LITTLE boards, pinned); `set_threads` changes it.
 from __future__ import annotations
 
 import ctypes
-import glob
 import operator
 import os
 from typing import Any
@@ -18,9 +17,9 @@ import numpy as np
 
 from . import abi, cpu_topology
 from .args import product_out as _product_out, real_array as _f32, weight_rows as _rows, whole_blocks as _whole_blocks
+from .library_path import library_candidates
 from .qtypes import QType, row_bytes
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _I = ctypes.c_int
@@ -57,15 +56,6 @@ _lib: Any = None  # the ctypes.CDLL once loaded (its functions are untyped eithe
 load_error: str | None = None
 
 
-def _candidates() -> list[str]:
-    env = os.environ.get("KESTREL_NATIVE_LIB")
-    if env:
-        return [env]
-    # `pip install -e .` (setup.py) and `python -m appliance.native.build` name the library differently: the one
-    # built last wins, so a stale build of the other kind never shadows a fresh one
-    return sorted(glob.glob(os.path.join(_HERE, "_kestrel_native*.so")), key=os.path.getmtime, reverse=True)
-
-
 def load(path: str | None = None):
     """(Re)load the library; returns it or None (reason in `load_error`)."""
     global _lib, load_error
@@ -73,7 +63,7 @@ def load(path: str | None = None):
     if os.environ.get("KESTREL_NATIVE", "1") == "0" and path is None:
         load_error = "disabled by KESTREL_NATIVE=0"
         return None
-    paths = [path] if path else _candidates()
+    paths = [path] if path else library_candidates()
     if not paths:
         load_error = "native library not built"
         return None

@@ -99,6 +99,15 @@ def browser_policy(cfg: ApiConfig) -> BrowserPolicy:
                        cors_origins=cfg.cors_origins, allowed_hosts=cfg.allowed_hosts)
 
 
+LOADING_BODY = {"status": "loading", "error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+
+
+def loading_response() -> tuple[int, tuple[tuple[bytes, bytes], ...], bytes]:
+    """/health while the model loads (llama-server's body, with our "status"); also what the busy responder
+    (h11_server.answer_while_busy) sends to any request the event loop cannot take in time during the load."""
+    return 503, ((b"Content-Type", JSON_CONTENT_TYPE), (b"Retry-After", b"1")), json_bytes(LOADING_BODY)
+
+
 class Api:
     def __init__(self, worker: Worker, cfg: ApiConfig):
         self.worker = worker
@@ -195,9 +204,11 @@ class Api:
             body = {"status": "ok", "model": self.cfg.model_name, "queue_depth": w.waiting, "busy": w.busy,
                     "queue_limit": w.queue_limit}
             return await self.send_json(ex, body)
-        body = {"status": "loading" if w.state == "loading" else "unavailable"}
+        if w.state == "loading":
+            status, headers, loading = loading_response()
+            return await ex.respond(status, list(headers), loading)
         await ex.respond(503, [(b"Content-Type", JSON_CONTENT_TYPE), (b"Retry-After", b"1")],
-                         json_bytes(body))
+                         json_bytes({"status": "unavailable"}))
 
     async def models(self, ex: Exchange) -> None:
         await self.send_json(ex, model_list([self.cfg.model_name], self.created))

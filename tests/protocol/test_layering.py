@@ -115,7 +115,7 @@ LAYERS = {
     "engine": {"native"},
     "native": set(),
     "web": {"resources"},
-    "h11_server": {"protocol"},
+    "h11_server": {"protocol", "native.busy_responder"},  # the socket layer's GIL-free loading answers
 }
 
 

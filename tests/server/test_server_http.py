@@ -201,7 +201,8 @@ def test_health_is_503_while_loading(tiny_qwen3_tied):
 
     with LiveServer(tiny_qwen3_tied, load=slow_load, wait_ready=False) as s:
         r, b = exchange(s, request_bytes("GET", "/health"))
-        assert r.status == 503 and json.loads(b) == {"status": "loading"}
+        assert r.status == 503 and json.loads(b) == {"status": "loading", "error": {  # llama-server's, + status
+            "code": 503, "message": "Loading model", "type": "unavailable_error"}}
         r, b = exchange(s, request_bytes("POST", "/v1/chat/completions", chat_body(max_tokens=1)))
         assert r.status == 503 and error_of(b)["code"] == "model_loading"
         gate.set()

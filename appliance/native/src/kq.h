@@ -92,4 +92,11 @@ int kq_self_attention(const float *qkv, int64_t N, int64_t H, int64_t hd, const 
  * previous call. */
 int64_t kq_test_fail_alloc(int64_t n);
 
+/* The busy responder (busy_responder.c): a thread, outside the Python GIL, that accepts what waits `grace_ms` in
+ * the backlog of the listening sockets `fds` and answers it with `response` (copied), then closes it; for while
+ * the interpreter is held by a model's load. Returns 0 or -errno. kq_busy_stop joins it (the sockets must stay
+ * open until then) and returns how many connections it answered. */
+int kq_busy_start(const int *fds, int nfds, int grace_ms, const char *response, int64_t response_len);
+int64_t kq_busy_stop(void);
+
 #endif

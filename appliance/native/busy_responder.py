@@ -1,0 +1,71 @@
+"""The busy responder (src/busy_responder.c): a native thread that answers the server's listening sockets while
+the interpreter cannot.
+
+Policy: while a model loads, third-party native code on the engine thread holds the GIL for up to seconds at a
+time (the tokenizers library converting and building a BPE vocabulary, llguidance building its token table:
+neither releases it), so the event loop cannot even accept. This thread needs no GIL: a connection still in
+the backlog after `grace_s` (the event loop takes one within a millisecond when it can) is accepted and
+answered with one fixed response, then closed. Only the start and the stop are Python calls (ctypes releases
+the GIL in both). It uses the kernel library's file (library_path.py, as native/kernels.py does (KESTREL_NATIVE=0,
+which turns the kernels off, does not matter here)); without the library there is no responder and the event
+loop answers alone, as before.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+from .library_path import library_candidates
+
+_lib: ctypes.CDLL | None = None
+
+
+def _library() -> ctypes.CDLL | None:
+    global _lib
+    if _lib is None:
+        paths = library_candidates()
+        if not paths:
+            return None
+        try:
+            lib = ctypes.CDLL(paths[0])
+            lib.kq_busy_start.restype = ctypes.c_int
+            lib.kq_busy_start.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_char_p,
+                                          ctypes.c_int64]
+            lib.kq_busy_stop.restype = ctypes.c_int64
+            lib.kq_busy_stop.argtypes = []
+        except (OSError, AttributeError):
+            return None
+        _lib = lib
+    return _lib
+
+
+class BusyResponder:
+    """`start(fds, response)` answers what the event loop leaves waiting on `fds` with `response` (a whole HTTP
+    response, `Connection: close`); `stop()` ends it and returns how many connections it answered. One at a
+    time per process."""
+
+    def __init__(self, grace_s: float = 0.05):
+        self.grace_s = grace_s
+        self.running = False
+
+    def start(self, fds: list[int], response: bytes) -> bool:
+        """True when the thread runs; False without the library (or if it could not start)."""
+        lib = _library()
+        if lib is None or self.running or not fds:
+            return False
+        arr = (ctypes.c_int * len(fds))(*fds)
+        err = lib.kq_busy_start(ctypes.cast(arr, ctypes.c_void_p), len(fds), int(self.grace_s * 1000), response,
+                                len(response))
+        if err != 0:
+            raise OSError(-err, f"busy responder: {os.strerror(-err)}")
+        self.running = True
+        return True
+
+    def stop(self) -> int:
+        """Join the thread (within ~1 s: the connection it is answering, if any); the count it answered."""
+        if not self.running:
+            return 0
+        self.running = False
+        lib = _library()
+        assert lib is not None
+        return int(lib.kq_busy_stop())
