@@ -40,12 +40,28 @@ def vocab() -> tuple[list[str], list[int], list[str]]:
     return tokens + SPECIALS, types, merges
 
 
-def write_gguf(path: str, arch: str = "qwen3", seed: int = 0) -> str:
+def large_vocab(n: int) -> tuple[list[str], list[int], list[str]]:
+    """(tokens, token types, merges) of about `n` tokens: the 256 byte pieces, then one merge per further token,
+    each a piece before it plus one byte piece (all two-piece tokens first, then three), the specials."""
+    pieces = byte_pieces()
+    tokens, merges = list(pieces), []
+    for left in pieces + [a + b for a in pieces for b in pieces]:
+        for b in pieces:
+            if len(tokens) >= n - len(SPECIALS):
+                return tokens + SPECIALS, [1] * len(tokens) + [3] * len(SPECIALS), merges
+            tokens.append(left + b)
+            merges.append(f"{left} {b}")
+    raise ValueError(f"large_vocab builds up to {256 + 256 ** 2 + 256 ** 3} tokens")
+
+
+def write_gguf(path: str, arch: str = "qwen3", seed: int = 0, n_vocab: int | None = None) -> str:
+    """n_vocab: a large_vocab of that size instead of the 300-token one (a tokenizer and a grammar table that
+    take a moment to build: tests/system/test_load_answers.py)."""
     import gguf
 
     d, rng = DIMS, np.random.default_rng(seed)
     H, hd, nh, kv, inter = d["hidden"], d["head_dim"], d["heads"], d["kv_heads"], d["inter"]
-    tokens, types, merges = vocab()
+    tokens, types, merges = vocab() if n_vocab is None else large_vocab(n_vocab)
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(d["layers"])
     w.add_context_length(256)
