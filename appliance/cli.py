@@ -227,7 +227,9 @@ def _load(args: argparse.Namespace, serving: bool = False):
     loaded.phases.mark("warm-up")
     if serving and loaded.kind == "generate":  # embedding models and rerankers have no output constraints
         from .engine.constraint import build_grammar_tokenizer
-        build_grammar_tokenizer(loaded)
+        from .native.busy_responder import GIL_BOUND
+        with GIL_BOUND.section("grammar table"):  # llguidance holds the GIL throughout
+            build_grammar_tokenizer(loaded)
         loaded.phases.mark("grammar table")
     return loaded
 

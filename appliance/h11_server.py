@@ -30,7 +30,10 @@ Policies:
   (native/busy_responder.py) answers any connection the event loop has not accepted within BUSY_GRACE_S with
   the application's fixed loading response (503, `Connection: close`; no access-log line, the count is logged
   at the end): third-party native code in the load holds the GIL for up to seconds, and a watchdog or a load
-  balancer must still get its answer. The sockets it watches close only after it has stopped.
+  balancer must still get its answer. Meanwhile every response closes its connection, and around the load's
+  known GIL-holding calls (GIL_BOUND sections) the event loop accepts nothing and the call waits until the
+  loop's connections are answered, so no request is caught inside the loop by one. The sockets it watches
+  close only after it has stopped.
 """
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ import trio
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
-from .native.busy_responder import BusyResponder
+from .native.busy_responder import GIL_BOUND, BusyResponder
 from .protocol.access_log import access_level, access_line, peer_name, request_id
 from .protocol.board import board_headers, with_board
 from .protocol.errors import ApiError, body_too_large, error_body, internal_error, server_shutdown
@@ -192,7 +195,8 @@ class Exchange:
         self.status = status
         self._conn._skip_buffered_body()
         headers = list(headers) + self.extra_headers
-        if self._conn.h11.their_state is h11.SEND_BODY:  # the body stays unread: this connection ends here
+        if self._conn.h11.their_state is h11.SEND_BODY or self._conn.server.busy_answers:
+            # the body stays unread, or the model is loading (GilBoundSections): this connection ends here
             headers = list(headers) + [(b"Connection", b"close")]
         await self._conn.send(h11.Response(status_code=status, headers=with_board(headers, self._conn.board),
                                            reason=reason or _reason(status)), checkpoint=False)
@@ -541,14 +545,18 @@ class HttpServer:
 
     async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
         while True:
+            while self._busy.running and GIL_BOUND.active:  # the busy responder takes them meanwhile
+                await trio.sleep(0.005)
+            # while the busy responder runs, look at GIL_BOUND again every ACCEPT_RECHECK_S (accept is cancel-safe)
+            wait = GIL_BOUND.ACCEPT_RECHECK_S if self._busy.running else math.inf
             try:
-                stream = await listener.accept()
+                with trio.move_on_after(wait):
+                    nursery.start_soon(self._handle, await listener.accept())
             except OSError as e:  # EMFILE and friends: back off instead of spinning
                 if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     await trio.sleep(0.1)
                     continue
                 raise
-            nursery.start_soon(self._handle, stream)
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         conn = _Connection(self, stream)
@@ -567,12 +575,22 @@ class HttpServer:
         head = [b"HTTP/1.1 %d %s" % (status, HTTPStatus(status).phrase.encode()),
                 *(k + b": " + v for k, v in (*headers, *self.board)),
                 b"Content-Length: %d" % len(body), b"Connection: close"]
-        return self._busy.start([ln.socket.fileno() for ln in self.listeners], b"\r\n".join(head) + b"\r\n\r\n" + body)
+        started = self._busy.start([ln.socket.fileno() for ln in self.listeners],
+                                   b"\r\n".join(head) + b"\r\n\r\n" + body)
+        if started:
+            GIL_BOUND.watch(lambda: len(self.connections))
+        return started
+
+    @property
+    def busy_answers(self) -> bool:
+        """Between answer_while_busy and stop_busy_answers."""
+        return self._busy.running
 
     async def stop_busy_answers(self) -> int:
         """End answer_while_busy (the thread is joined off the event loop); how many connections it answered."""
         if not self._busy.running:
             return 0
+        GIL_BOUND.watch(None)
         return await trio.to_thread.run_sync(self._busy.stop)
 
     async def shutdown(self, grace_period: float | None = None) -> None:

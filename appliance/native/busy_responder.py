@@ -12,8 +12,11 @@ loop answers alone, as before.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import time
+from typing import Callable, Iterator
 
 from .library_path import library_candidates
 
@@ -69,3 +72,39 @@ class BusyResponder:
         lib = _library()
         assert lib is not None
         return int(lib.kq_busy_stop())
+
+
+class GilBoundSections:
+    """Where the load calls native code that holds the GIL for long (`with GIL_BOUND.section("tokenizer"):`),
+    no connection waits inside the event loop: the server (h11_server, while its busy responder runs) takes no
+    new connection into the loop during a section, and a section starts only once the connections the loop
+    already has are answered (at most DRAIN_S; during the load they close after one response), so the busy
+    responder, which needs no GIL, answers everything that comes meanwhile. Without a server watching (the
+    one-shot CLI, in-process tests) a section is only a name."""
+
+    DRAIN_S = 0.5
+    ACCEPT_RECHECK_S = 0.01   # the event loop looks at `active` at least this often while it accepts
+
+    def __init__(self) -> None:
+        self.active = 0                                  # sections running now (read by the event loop)
+        self._open_connections: Callable[[], int] | None = None
+
+    def watch(self, open_connections: Callable[[], int] | None) -> None:
+        """The server's count of connections in the event loop (None: stop watching)."""
+        self._open_connections = open_connections
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        self.active += 1
+        try:
+            count = self._open_connections
+            if count is not None:  # past 2 rechecks the loop accepts no more; then its connections must end
+                t0 = time.monotonic()
+                while (count() or time.monotonic() < t0 + 2 * self.ACCEPT_RECHECK_S) and time.monotonic() < t0 + self.DRAIN_S:
+                    time.sleep(0.002)  # the GIL is free meanwhile: the event loop answers what it has
+            yield
+        finally:
+            self.active -= 1
+
+
+GIL_BOUND = GilBoundSections()

@@ -6,10 +6,9 @@ Every answer before the first 200 is a 503 "Loading model"; the chat request get
 on, /health says ok. The model is the loader fuzz tier's tiny qwen3 file with a 450,000-token byte-level
 vocabulary (tiny_files.large_vocab): building its tokenizer and its grammar table are native calls that hold
 the GIL for 1-2 s each, where the event loop used to wait them out (without the busy responder, as with
-KESTREL_NATIVE_LIB pointing nowhere, ~100 probes are late by seconds). Late means answered after LATE_S, a
-bound that a loaded 2-core machine keeps; what is asserted is a count of late answers, not a wall-clock
-figure: a probe the event loop accepted just before the engine thread entered one of those calls waits it out
-(the busy responder only answers connections still in the backlog), so a few may be late, never a run of them.
+KESTREL_NATIVE_LIB pointing nowhere, 40-100 probes are late by 1-5 s). Late means answered after LATE_S, a
+bound a loaded 2-core machine keeps (the answers take milliseconds); what is asserted is the count of late
+answers: none.
 """
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ from tests.support.live_server import RawClient, chat_body, drain_stderr, reques
 
 PERIOD_S = 0.05
 LATE_S = 1.0
-LATE_ALLOWED = 4     # probes caught inside the event loop when a GIL-holding call began (see the docstring)
+LATE_ALLOWED = 0
 N_VOCAB = 450_000
 
 

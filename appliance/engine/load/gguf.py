@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from appliance.native.busy_responder import GIL_BOUND
 from appliance.native.qtypes import QType
 
 from .. import qwen3
@@ -267,7 +268,8 @@ def read_gguf(path: str, options: LoadOptions, phases: Phases | None = None) -> 
         cfg = config_from_metadata(meta, f)
         model = build_model(cfg, f, meta)
         phases.mark("weights")
-        tokenizer = build_tokenizer(meta)
+        with GIL_BOUND.section("tokenizer"):  # the tokenizers library holds the GIL while it builds the BPE
+            tokenizer = build_tokenizer(meta)
         phases.mark("tokenizer")
         task_hint = pooling_hint(meta, f)
         source = chat_templates(meta)

@@ -27,6 +27,8 @@ from typing import Callable
 
 import numpy as np
 
+from appliance.native.busy_responder import GIL_BOUND
+
 from .. import qwen3
 from ..config import Qwen3Config, UnsupportedModelError
 from ..image_processing import ImageProcessor
@@ -76,7 +78,8 @@ def read_hf_dir(path: str, options: LoadOptions, phases: Phases | None = None) -
         st = SafeTensors(path)
         cfg, model = ARCHITECTURES[model_type](st, cfg_dict, options)
         phases.mark("weights")
-        tokenizer = Tokenizer.from_dir(path)
+        with GIL_BOUND.section("tokenizer"):  # tokenizer.json is parsed and built holding the GIL
+            tokenizer = Tokenizer.from_dir(path)
         phases.mark("tokenizer")
         template = ChatTemplate.from_dir(path)
         phases.mark("chat template")
