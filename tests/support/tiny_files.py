@@ -19,6 +19,7 @@ import numpy as np
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+VL_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
 DIMS = dict(hidden=32, heads=2, kv_heads=1, head_dim=16, inter=64, layers=2, experts=4, top_k=2, moe_inter=32)
 
 
@@ -62,7 +63,12 @@ def write_gguf(path: str, arch: str = "qwen3", seed: int = 0, n_vocab: int | Non
     d, rng = DIMS, np.random.default_rng(seed)
     H, hd, nh, kv, inter = d["hidden"], d["head_dim"], d["heads"], d["kv_heads"], d["inter"]
     tokens, types, merges = vocab() if n_vocab is None else large_vocab(n_vocab)
+    if arch == "qwen3vl":  # the text side of a Qwen3-VL pair (write_vl_mmproj): M-RoPE sections, DeepStack, image pad
+        tokens, types = tokens + VL_SPECIALS, types + [3] * len(VL_SPECIALS)
     w = gguf.GGUFWriter(path, arch)
+    if arch == "qwen3vl":
+        w.add_array("qwen3vl.rope.dimension_sections", [2, 3, 3, 0])
+        w.add_uint32("qwen3vl.n_deepstack_layers", 1)
     w.add_block_count(d["layers"])
     w.add_context_length(256)
     w.add_embedding_length(H)
@@ -156,6 +162,56 @@ def write_mmproj(path: str, seed: int = 0) -> str:
         w.add_tensor(name, rng.standard_normal(shape).astype(np.float16))
     for name in ("v.blk.0.ln1.weight", "v.blk.0.ln1.bias", "v.post_ln.weight"):
         w.add_tensor(name, rng.standard_normal(32).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+VL_DIMS = dict(hidden=32, heads=2, inter=64, patch=4, merge=2, depth=2, positions=16, channels=3)
+
+
+def write_vl_mmproj(path: str, seed: int = 0, shapes: dict | None = None, keys: dict | None = None) -> str:
+    """A whole Qwen3-VL vision tower (llama.cpp's mmproj layout, clip / qwen3vl_merger) for write_gguf's qwen3vl
+    text file: VL_DIMS, DeepStack after vision layer 0, weights F16 (matrices) and F32 (vectors, the position
+    table). `shapes` {tensor: numpy shape, or None to leave it out} and `keys` {clip.vision key: value} replace
+    what it writes (crafted mismatches)."""
+    import gguf
+
+    d, rng = VL_DIMS, np.random.default_rng(seed)
+    h, inner, p, merged = d["hidden"], d["inter"], d["patch"], d["hidden"] * d["merge"] ** 2
+    out = DIMS["hidden"]
+    want: dict[str, tuple] = {"v.patch_embd.weight": (h, d["channels"], p, p),
+                              "v.patch_embd.weight.1": (h, d["channels"], p, p), "v.patch_embd.bias": (h,),
+                              "v.position_embd.weight": (d["positions"], h)}
+    for i in range(d["depth"]):
+        for name, shape in (("ln1", (h,)), ("attn_qkv", (3 * h, h)), ("attn_out", (h, h)), ("ln2", (h,)),
+                            ("ffn_up", (inner, h)), ("ffn_down", (h, inner))):
+            want[f"v.blk.{i}.{name}.weight"], want[f"v.blk.{i}.{name}.bias"] = shape, shape[:1]
+    for prefix, norm in (("", h), ("v.deepstack.0.", merged)):
+        names = ("v.post_ln", "mm.0", "mm.2") if not prefix else (prefix + "norm", prefix + "fc1", prefix + "fc2")
+        for name, shape in zip(names, ((norm,), (merged, merged), (out, merged))):
+            want[name + ".weight"], want[name + ".bias"] = shape, shape[:1]
+    want.update(shapes or {})
+    w = gguf.GGUFWriter(path, "clip")
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_string("clip.projector_type", "qwen3vl_merger")
+    w.add_bool("clip.use_gelu", True)
+    meta = {"embedding_length": h, "feed_forward_length": inner, "block_count": d["depth"],
+            "attention.head_count": d["heads"], "patch_size": p, "spatial_merge_size": d["merge"],
+            "projection_dim": out, **(keys or {})}
+    for key, value in meta.items():
+        w.add_uint32(f"clip.vision.{key}", value)
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    w.add_array("clip.vision.is_deepstack_layers", [True] + [False] * (d["depth"] - 1))
+    w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    for name, shape in want.items():
+        if shape is None:
+            continue
+        x = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+        w.add_tensor(name, x if len(shape) == 1 or name == "v.position_embd.weight" else x.astype(np.float16))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -12,7 +12,8 @@ Policies:
   fourth section is 0 for Qwen3-VL), DeepStack layers (`qwen3vl.n_deepstack_layers` on the text side,
   `clip.vision.is_deepstack_layers` on the vision side), vision widths, patch size, spatial merge, image
   mean/std. A pair that does not fit (projection width != text width, DeepStack counts differ, another
-  projector) is a MismatchedPair: one line, exit status 2.
+  projector) is a MismatchedPair: one line, exit status 2; so is a tower whose tensors do not fit its own metadata
+  (gguf_vl_check.py), or a key or value the tower cannot be built from.
 - What the file does not hold follows llama.cpp's mtmd for this projector: vision RoPE theta 10000, image token
   bounds 8..4096 merged tokens (`clip.vision.image_min_pixels` / `image_max_pixels` when present), and
   `clip.use_gelu` is the vision MLP's tanh GELU (ggml_gelu; Hugging Face's gelu_pytorch_tanh). The image pad
@@ -40,7 +41,8 @@ from appliance.native.qtypes import QType, row_bytes
 from ..image_processing import ImageProcessor
 from ..vision import Linear, PatchMerger, VisionBlock, VisionConfig, VisionTower, vision_ops
 from ..weights import DenseWeight
-from . import LoadOptions, MismatchedPair, ModelLoadError
+from . import LoadOptions, MismatchedPair, ModelFileError, ModelLoadError
+from .gguf_vl_check import check_vision_tensors
 from .names import VISION_BLOCK_TENSORS, VISION_PATCH, VISION_POS, gguf_merger, gguf_vision_block
 
 log = logging.getLogger("appliance.load")
@@ -178,12 +180,15 @@ def qwen3_vl_from_pair(text_cfg, text, meta: dict[str, Any], tokenizer, m: Mmpro
         if n_deep != len(vcfg.deepstack_visual_indexes):
             raise MismatchedPair(f"the mmproj file {mmproj} has {len(vcfg.deepstack_visual_indexes)} DeepStack "
                                  f"layers, the text model expects {n_deep}: not a pair")
+        check_vision_tensors(mmproj, m.f.tensors, vcfg)
         vision = build_vision_tower(m, vcfg, kernels.available())
         processor = image_processor(m, vcfg, options.image_max_pixels)
-    except MismatchedPair:
+    except ModelFileError:
         raise
-    except (KeyError, ValueError) as e:
-        raise ModelLoadError(f"cannot load the mmproj file {mmproj}: {e}") from None
+    except KeyError as e:
+        raise ModelFileError(f"cannot load the mmproj file {mmproj}: tensor {e} is missing") from None
+    except (TypeError, ValueError) as e:
+        raise ModelFileError(f"cannot load the mmproj file {mmproj}: {e}") from None
     pad = tokenizer.id_of(IMAGE_PAD)
     if pad is None:
         raise ValueError(f"the tokenizer has no {IMAGE_PAD} token")
