@@ -1,7 +1,8 @@
 """An mmproj file whose vision tower does not fit its own metadata (patch size, widths, heads, the merger's and the
 DeepStack merger's dimensions, the position grid, a missing tensor) is refused at load: one line naming the file
 and the tensor, a ModelFileError (CLI exit status 2), never a numpy error at the first image. The crafted pair
-(tests/support/tiny_files.py: a qwen3vl text GGUF and write_vl_mmproj) loads and encodes an image when unchanged."""
+(tests/support/tiny_files.py: a qwen3vl text GGUF and write_vl_mmproj) loads and encodes an image when unchanged;
+the Hugging Face side runs the same check (vision_check.hf_vision_shapes) on every VL checkpoint the engine tests load."""
 from __future__ import annotations
 
 import subprocess
@@ -71,3 +72,26 @@ def test_the_cli_refuses_it_with_one_line_and_status_2(pair_dir):
     lines = [line for line in p.stderr.splitlines() if "error" in line]
     assert p.returncode == 2 and len(lines) == 1 and "tensor mm.0.weight" in lines[0], p.stderr
     assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("key, value, named", [("intermediate_size", 48, "blocks.0.mlp.linear_fc1.weight"),
+                                               ("patch_size", 8, "patch_embed.proj.weight"),
+                                               ("num_heads", 3, "does not split into 3 heads")])
+def test_a_hugging_face_tower_that_does_not_fit_its_config_is_refused_at_load(tmp_path_factory, key, value, named):
+    import json
+    import os
+
+    from tests.support.tiny_vl import cached_qwen3_vl
+
+    src = cached_qwen3_vl(tmp_path_factory)
+    d = tmp_path_factory.mktemp(f"vl-hf-{key}")
+    for f in os.listdir(src):
+        if f != "config.json":
+            os.symlink(os.path.join(src, f), d / f)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["vision_config"][key] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelFileError) as e:
+        load_model(str(d))
+    assert named in str(e.value) and "\n" not in str(e.value), str(e.value)

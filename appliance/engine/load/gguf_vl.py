@@ -13,7 +13,7 @@ Policies:
   `clip.vision.is_deepstack_layers` on the vision side), vision widths, patch size, spatial merge, image
   mean/std. A pair that does not fit (projection width != text width, DeepStack counts differ, another
   projector) is a MismatchedPair: one line, exit status 2; so is a tower whose tensors do not fit its own metadata
-  (gguf_vl_check.py), or a key or value the tower cannot be built from.
+  (vision_check.py), or a key or value the tower cannot be built from.
 - What the file does not hold follows llama.cpp's mtmd for this projector: vision RoPE theta 10000, image token
   bounds 8..4096 merged tokens (`clip.vision.image_min_pixels` / `image_max_pixels` when present), and
   `clip.use_gelu` is the vision MLP's tanh GELU (ggml_gelu; Hugging Face's gelu_pytorch_tanh). The image pad
@@ -42,8 +42,8 @@ from ..image_processing import ImageProcessor
 from ..vision import Linear, PatchMerger, VisionBlock, VisionConfig, VisionTower, vision_ops
 from ..weights import DenseWeight
 from . import LoadOptions, MismatchedPair, ModelFileError, ModelLoadError
-from .gguf_vl_check import check_vision_tensors
 from .names import VISION_BLOCK_TENSORS, VISION_PATCH, VISION_POS, gguf_merger, gguf_vision_block
+from .vision_check import check_vision_config, check_vision_tensors, gguf_vision_shapes
 
 log = logging.getLogger("appliance.load")
 VL_ARCHITECTURES = ("qwen3vl", "qwen3vlmoe")
@@ -180,7 +180,10 @@ def qwen3_vl_from_pair(text_cfg, text, meta: dict[str, Any], tokenizer, m: Mmpro
         if n_deep != len(vcfg.deepstack_visual_indexes):
             raise MismatchedPair(f"the mmproj file {mmproj} has {len(vcfg.deepstack_visual_indexes)} DeepStack "
                                  f"layers, the text model expects {n_deep}: not a pair")
-        check_vision_tensors(mmproj, m.f.tensors, vcfg)
+        where = f"the mmproj file {mmproj}"
+        check_vision_config(where, vcfg)
+        check_vision_tensors(where, lambda name: tuple(int(n) for n in reversed(m.f.tensors[name].shape))
+                             if name in m.f.tensors else None, gguf_vision_shapes(vcfg), "the vision metadata")
         vision = build_vision_tower(m, vcfg, kernels.available())
         processor = image_processor(m, vcfg, options.image_max_pixels)
     except ModelFileError:

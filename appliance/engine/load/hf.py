@@ -58,6 +58,7 @@ from . import Checkpoint, LoadOptions, ModelFileError, ModelLoadError, UnsafeTem
 from .hf_check import check_decoder
 from .names import EXPERT_PROJECTIONS, HFNames
 from .phases import Phases
+from .vision_check import check_vision_config, check_vision_tensors, hf_vision_shapes
 
 
 def read_hf_dir(path: str, options: LoadOptions, phases: Phases | None = None) -> Checkpoint:
@@ -333,7 +334,12 @@ def build_qwen3_vl(st: SafeTensors, cfg_dict: dict, options: LoadOptions = LoadO
         check_decoder(st, cfg, names)
     text = build_decoder(st, cfg, mlp(names) if mlp else (lambda i: dense_mlp(st, names, i)), names)
     vcfg = VisionConfig.from_dict(cfg_dict["vision_config"])
-    vision = build_vision(st, vcfg, _prefix(st, "model.visual.", "visual."))
+    prefix = _prefix(st, "model.visual.", "visual.")
+    where = f"{st.model_dir}: the vision tower"
+    check_vision_config(where, vcfg)
+    check_vision_tensors(where, lambda name: tuple(st.info(name)[0]) if name in st else None,
+                         hf_vision_shapes(vcfg, prefix), "config.json's vision_config")
+    vision = build_vision(st, vcfg, prefix)
     if vcfg.out_hidden_size != cfg.hidden_size:
         raise ValueError("vision out_hidden_size differs from the decoder's hidden_size")
     processor = ImageProcessor.from_dir(st.model_dir, options.image_max_pixels)
