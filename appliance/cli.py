@@ -8,8 +8,8 @@ Policies:
 - Serving binds first (so /health answers 503 "Loading model" while the model loads, as does every request that
   needs the model), then loads the model on the engine thread; until it is loaded (or has failed) a connection
   the event loop leaves waiting (the load's native code holds the GIL) is answered by the server's GIL-free
-  busy responder (h11_server.answer_while_busy) with the same 503; under systemd (Type=notify) READY=1 goes out once the model is loaded, WATCHDOG=1 pings come from
-  the event loop, STOPPING=1 at the first signal.
+  busy responder (h11_server.answer_while_busy) with the same 503. Under systemd (Type=notify) READY=1 goes
+  out once the model is loaded, WATCHDOG=1 pings come from the event loop, STOPPING=1 at the first signal.
 - SIGTERM/SIGINT: stop accepting, send queued requests away (503 server_shutdown), let running ones finish
   within --grace seconds, then end them with a `server_shutdown` error (streams: an error event and the end
   of the body), exit 0 within grace + 2 s. If the engine thread is still inside a native call by then, the

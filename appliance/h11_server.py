@@ -29,7 +29,7 @@ Policies:
 - While the model loads (answer_while_busy .. stop_busy_answers), a native thread that needs no GIL
   (native/busy_responder.py) answers any connection the event loop has not accepted within BUSY_GRACE_S with
   the application's fixed loading response (503, `Connection: close`; no access-log line, the count is logged
-  at the end): third-party native code in the load holds the GIL for up to seconds, and a watchdog or a load
+  at the end; no Host or Origin check either: the answer carries nothing a page could use): third-party native code in the load holds the GIL for up to seconds, and a watchdog or a load
   balancer must still get its answer. Meanwhile every response closes its connection, and around the load's
   known GIL-holding calls (GIL_BOUND sections) the event loop accepts nothing and the call waits until the
   loop's connections are answered, so no request is caught inside the loop by one. The sockets it watches
