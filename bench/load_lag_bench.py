@@ -9,6 +9,9 @@ Two measures, one run each:
 - in this process: the load the server runs (cli._load(serving=True)) in a worker thread beside a trio loop
   running server/loop_lag.LoopLag, each load phase (engine/load/phases.py marks) with the worst loop lag inside
   it: where the GIL was held.
+The served process answers through its busy responder while the load holds the GIL (h11_server.answer_while_busy),
+so the probes measure what a client sees, and the loop lag what the event loop itself went through: the second
+still shows the tokenizer's and the grammar table's GIL-holding calls, the first should not.
 
     python bench/load_lag_bench.py [--model FILE.gguf]   (default: the random Qwen3-1.7B-shaped Q4_0 file of
                                                           bench/gguf_bench.py, written once to its cache)
