@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill every prompt from scratch (no KV reuse across requests)")
     s.add_argument("--spec", choices=["ngram", "none"], default="ngram",
                    help="speculative decoding: drafts looked up in the prompt and output (default) or none")
+    s.add_argument("--draft-model", "-md", metavar="PATH",
+                   help="speculative decoding from this smaller model (Hugging Face directory or .gguf; the model's "
+                        "tokenizer), instead of drafts from the prompt")
     s.add_argument("--draft-max", type=int, default=8, metavar="N", help="drafted tokens per verify, at most (8)")
     s.add_argument("--draft-min", type=int, default=1, metavar="N", help="drafted tokens per verify, at least (1)")
     s.add_argument("--threads", type=int, metavar="N", help="threads of the C kernels' pool (big cores first); also caps BLAS/OpenMP pools")
@@ -152,6 +155,8 @@ def _positive(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.draft_min > args.draft_max:
         p.error("--draft-min must not exceed --draft-max")
+    if args.draft_model is not None and args.spec == "none":
+        p.error("--draft-model drafts for speculative decoding, which --spec none turns off")
     if args.cache_ram is not None and args.cache_ram < 0:
         p.error("--cache-ram must be at least 0")
     if args.queue < 0:
@@ -171,11 +176,11 @@ def _positive(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--board-name {problem}")
 
 
-def _check_model_path(path: str) -> None:
+def _check_model_path(path: str, what: str = "model path") -> None:
     if not os.path.exists(path):
-        raise CliError(f"model path does not exist: {path}")
+        raise CliError(f"{what} does not exist: {path}")
     if not os.access(path, os.R_OK) or (os.path.isdir(path) and not os.access(path, os.X_OK)):
-        raise CliError(f"model path is not readable: {path}")
+        raise CliError(f"{what} is not readable: {path}")
 
 
 def _check_prompt_cache_dir(path: str | None) -> None:
@@ -212,7 +217,7 @@ def load_options(args: argparse.Namespace):
                        moe_release_pages=args.moe_release_pages, image_max_pixels=args.image_max_pixels,
                        max_resident_mib=args.max_resident, mmproj=args.mmproj,
                        task="embedding" if args.embedding else "rerank" if args.reranking else None,
-                       pooling=args.pooling)
+                       pooling=args.pooling, draft_model=args.draft_model)
 
 
 def _load(args: argparse.Namespace, serving: bool = False):
@@ -399,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     gc.disable()  # until the model is loaded (start_done)
     try:
         _check_model_path(args.model)
+        if args.draft_model is not None:
+            _check_model_path(args.draft_model, "--draft-model path")
         _check_prompt_cache_dir(args.prompt_cache_dir)
         if args.prompt is not None:
             return run_prompt(args)

@@ -37,6 +37,7 @@ from .text_stream import IncrementalDetokenizer, StopMatcher
 if TYPE_CHECKING:
     from .config import Qwen3Config
     from .constraint import CompiledGrammar
+    from .draft_model import DraftModel
     from .image_processing import ImageProcessor
     from .prompt_disk import PromptDiskCache
     from .qwen3_vl import PixelPatches
@@ -131,7 +132,8 @@ class Engine:
 
     def __init__(self, model: CausalLM, tokenizer, eos_ids: set[int], context_length: int,
                  prefill_chunk: int = 256, kv_dtype=np.float32, cache_bytes: int = 0, reuse_prefix: bool = True,
-                 spec: SpecOptions = SpecOptions(), drafter: DrafterFactory = NgramDrafter):
+                 spec: SpecOptions = SpecOptions(), drafter: DrafterFactory = NgramDrafter,
+                 draft_model: DraftModel | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
@@ -150,7 +152,8 @@ class Engine:
         self.prefill_chunks_run = 0
         self.decode_steps_run = 0
         self.spec = spec
-        self.drafter = drafter  # a new Drafter per request
+        self.draft_model = draft_model  # --draft-model: it drafts instead of `drafter` (draft_model.py)
+        self.drafter = draft_model.drafter if draft_model is not None else drafter  # a new Drafter per request
         self.step_ms: float | None = None  # a one-token decode step, running mean (speculation pays against it)
 
     def warm_up(self) -> None:
@@ -165,6 +168,14 @@ class Engine:
         token = min(self.eos_ids) if self.eos_ids else 0
         self.model.forward(np.asarray([token], dtype=np.int64), self.cache, "last")
         self.cache.truncate(n)
+        if self.draft_model is not None:
+            self.draft_model.warm_up()
+
+    @property
+    def active_bytes_per_token(self) -> int:
+        """What one position of the active sequence holds: the target's keys and values, and the draft model's."""
+        draft = self.draft_model.bytes_per_token if self.draft_model is not None else 0
+        return self.cache.bytes_per_token + draft
 
     def adopt(self, entries: list[CachedSequence]) -> None:
         """Cached sequences from elsewhere (the disk): the first becomes the active one, the rest are kept."""
@@ -173,7 +184,7 @@ class Engine:
                 self._load_entry(e, len(e.tokens))
                 self.cache_tokens, self.cache_images = list(e.tokens), e.images
             else:
-                self.store.add(e, reserve=self.cache.length * self.cache.bytes_per_token)
+                self.store.add(e, reserve=self.cache.length * self.active_bytes_per_token)
 
     @property
     def _exact(self) -> bool:
@@ -228,7 +239,7 @@ class Engine:
         n_saved = min(n_saved, limit)
         stashed = None
         if n_active < len(self.cache_tokens):  # positions this request would overwrite: keep a copy
-            stashed = self._stash_active(reserve=len(ids) * self.cache.bytes_per_token)
+            stashed = self._stash_active(reserve=len(ids) * self.active_bytes_per_token)
         if self.disk is not None:  # a prefix still being written from the cache goes on from a copy
             self.disk.before_overwrite(0 if entry is not None and n_saved > n_active else n_active, stashed)
         if entry is not None and n_saved > n_active:
@@ -318,7 +329,7 @@ class Engine:
         def finish(reason: str, tail: str = "") -> FinishEvent:
             timings.total_ms = _ms(t0)
             self._rollback(len(req.prompt_ids) + max(len(generated) - 1, 0))  # as after plain decoding
-            self.store.shrink(reserve=len(self.cache_tokens) * self.cache.bytes_per_token)
+            self.store.shrink(reserve=len(self.cache_tokens) * self.active_bytes_per_token)
             self._disk_pending = (list(req.prompt_ids), images)
             return FinishEvent(reason, tail, len(req.prompt_ids), len(generated), generated, timings, stops.matched)
 
@@ -384,14 +395,15 @@ class Engine:
             if run:  # rejected at this position: the rest of the run is not the text
                 self._rollback(len(req.prompt_ids) + len(generated) - 1)
                 run, drafted = [], []
+            t_step = t_draft = time.perf_counter()
             draft = self._draft(spec, budget - len(generated))
-            t_step = t_fwd = time.perf_counter()
+            t_fwd = time.perf_counter()
             self.decode_steps_run += 1  # a forward of the token, with its drafts if any
             if draft:
                 out = self._forward([token] + draft, "all")  # (1 + k, V)
                 assert out is not None and spec is not None
                 logits, run, drafted = out[0], list(out[1:]), list(draft)
-                spec.verify = (len(draft), _ms(t_fwd))
+                spec.verify = (len(draft), _ms(t_draft))  # the run's cost: drafting and verifying
                 timings.draft_n += len(draft)
             else:
                 logits = cast(np.ndarray, self._forward([token], "last"))  # "last": never None

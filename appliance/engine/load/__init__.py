@@ -12,6 +12,9 @@ Policies:
 - Everything a deployment chooses at load time travels in one LoadOptions, passed into loading; nothing is
   set on the loaded model afterwards. The format loaders build (config, model, tokenizer, template, eos ids,
   default sampling); `finish` is the one shared tail that applies the options and builds the Engine.
+- `--draft-model` (options.draft_model) is read like the model itself, after it, and must share its tokenizer
+  (MismatchedDraft, exit status 2, otherwise); its KV cache (the same context and type) counts in the memory
+  cap of the context and, per position of the active sequence, against --cache-ram (draft_model.py).
 - The model's display name (what /v1/models lists) is `model_name(path)`, worked out here only.
 - Memory (decided in `finish`, logged once): the KV cache is float16 unless asked otherwise (float32 for an
   embedding model or a reranker, whose outputs are compared to float32 references at 1e-5); the context
@@ -65,6 +68,10 @@ class MismatchedPair(ModelFileError):
     """A vision projector (mmproj file) that does not belong to the text model: another width, projector, ..."""
 
 
+class MismatchedDraft(ModelFileError):
+    """A --draft-model whose tokenizer is not the model's, or which cannot draft (recurrent layers)."""
+
+
 @dataclass(frozen=True)
 class LoadOptions:
     """Deployment choices made at load time (the CLI's flags; tests pass a few)."""
@@ -80,6 +87,7 @@ class LoadOptions:
     image_max_pixels: int | None = None  # multimodal: cap on resized image pixels (lowers the model's own bound)
     max_resident_mib: int | None = None  # dense: keep at most this many MiB of mapped weights resident (resident.py)
     spec: SpecOptions = SpecOptions()  # speculative decoding (drafts from the prompt by default)
+    draft_model: str | None = None  # --draft-model: drafts from this model (same tokenizer) instead of the prompt
     mmproj: str | None = None  # GGUF Qwen3-VL: the vision projector file (None: the one mmproj*.gguf beside it)
     task: str | None = None  # "embedding" / "rerank" (--embedding / --reranking); None: what the checkpoint says
     pooling: str | None = None  # an embedding model's pooling (--pooling last|mean|cls); None: the checkpoint's
@@ -133,15 +141,28 @@ def load_model(path: str, options: LoadOptions | None = None, **overrides) -> Lo
     if options.kv_type not in KV_TYPES:
         raise ModelLoadError(f"KV cache type {options.kv_type!r} is not supported (supported: {', '.join(KV_TYPES)})")
     path = os.path.abspath(path)
-    if not os.path.exists(path):
-        raise ModelLoadError(f"model path does not exist: {path}")
-    if not os.access(path, os.R_OK):
-        raise ModelLoadError(f"model path is not readable: {path}")
     phases = Phases()
     from appliance.native import kernels  # noqa: F401  (loads the C library, starts its thread pool)
     phases.mark("native library")
     if options.threads:
         set_native_threads(options.threads)
+    ckpt = read_checkpoint(path, options, phases)
+    from ..chat_template import UnsafeTemplateError
+    try:
+        ckpt.chat_template.vet()
+    except UnsafeTemplateError as e:
+        raise UnsafeTemplate(f"cannot load {path}: {e}") from None
+    phases.mark("chat template check")
+    draft = read_draft(options.draft_model, ckpt, options, phases) if options.draft_model else None
+    return finish(path, ckpt, options, phases, draft)
+
+
+def read_checkpoint(path: str, options: LoadOptions, phases: Phases, what: str = "model path") -> Checkpoint:
+    """The format loader's Checkpoint of an absolute path (a .gguf file or a Hugging Face directory)."""
+    if not os.path.exists(path):
+        raise ModelLoadError(f"{what} does not exist: {path}")
+    if not os.access(path, os.R_OK):
+        raise ModelLoadError(f"{what} is not readable: {path}")
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise ModelLoadError(f"not a model directory or .gguf file: {path}")
@@ -152,14 +173,27 @@ def load_model(path: str, options: LoadOptions | None = None, **overrides) -> Lo
                                  "vision tower")
         from .hf import read_hf_dir as read
     phases.mark("imports (model code)")
-    ckpt = read(path, options, phases)
-    from ..chat_template import UnsafeTemplateError
-    try:
-        ckpt.chat_template.vet()
-    except UnsafeTemplateError as e:
-        raise UnsafeTemplate(f"cannot load {path}: {e}") from None
-    phases.mark("chat template check")
-    return finish(path, ckpt, options, phases)
+    return read(path, options, phases)
+
+
+def read_draft(path: str, target: Checkpoint, options: LoadOptions, phases: Phases) -> Checkpoint:
+    """The --draft-model checkpoint, checked against the model: the same tokenizer, layers that can roll back."""
+    from ..draft_model import vocabulary_mismatch
+    path = os.path.abspath(path)
+    if getattr(target.model, "recurrent", False):
+        raise ModelLoadError("--draft-model: this model has recurrent layers (Qwen3.5) and does not draft")
+    if target.task_hint is not None or options.task is not None:
+        raise ModelLoadError("--draft-model goes with a text generation model, not an embedding model or reranker")
+    draft = read_checkpoint(path, replace(options, mmproj=None, max_resident_mib=None, image_max_pixels=None),
+                            phases, "--draft-model path")
+    if getattr(draft.model, "recurrent", False):
+        raise MismatchedDraft(f"--draft-model {path}: its recurrent layers (Qwen3.5) cannot take back a rejected "
+                              f"draft")
+    problem = vocabulary_mismatch(target.tokenizer, draft.tokenizer)
+    if problem is not None:
+        raise MismatchedDraft(f"--draft-model {path}: not the model's tokenizer ({problem})")
+    phases.mark("draft model")
+    return draft
 
 
 def available_memory() -> int:
@@ -191,9 +225,10 @@ def decoder_of(model: DecoderModel) -> Qwen3Model:
     return model.text if isinstance(model, Qwen3VLModel) else model
 
 
-def finish(path: str, ckpt: Checkpoint, options: LoadOptions, phases: Phases | None = None) -> LoadedModel:
-    """The shared tail: page-release policies, the layer runner, context length, the Engine; marks its parts
-    in `phases` (the load's record, which the LoadedModel keeps)."""
+def finish(path: str, ckpt: Checkpoint, options: LoadOptions, phases: Phases | None = None,
+           draft: Checkpoint | None = None) -> LoadedModel:
+    """The shared tail: page-release policies, the layer runner, context length, the Engine (with its draft
+    model, when given); marks its parts in `phases` (the load's record, which the LoadedModel keeps)."""
     phases = phases if phases is not None else Phases()
     from ..generate import Engine
     from ..layer_runner import choose_runner
@@ -212,6 +247,8 @@ def finish(path: str, ckpt: Checkpoint, options: LoadOptions, phases: Phases | N
             raise ModelLoadError(f"--max-resident {options.max_resident_mib}: {e}") from None
         log.info("low-memory mode: %s", plan.describe(len(decoder_of(ckpt.model).layers)))
     choose_runner(decoder_of(ckpt.model))  # native or numpy layers: once, after the weights took their form
+    if draft is not None:
+        choose_runner(decoder_of(draft.model))
     phases.mark("layers")
     import numpy as np
 
@@ -223,6 +260,9 @@ def finish(path: str, ckpt: Checkpoint, options: LoadOptions, phases: Phases | N
         options = replace(options, kv_type="f32")
     dtype = np.dtype(KV_DTYPES[options.kv_type])
     per_token = 2 * getattr(cfg, "kv_layers", cfg.num_hidden_layers) * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+    if draft is not None:
+        dc = decoder_of(draft.model).config
+        per_token += 2 * dc.num_hidden_layers * dc.num_key_value_heads * dc.head_dim * dtype.itemsize
     trained = getattr(cfg, "max_position_embeddings", None) or DEFAULT_CONTEXT
     avail = available_memory()
     fits = max(256, avail // 2 // per_token)
@@ -232,9 +272,18 @@ def finish(path: str, ckpt: Checkpoint, options: LoadOptions, phases: Phases | N
              "prefix cache %s, budget %.0f MB", ctx, "--ctx" if options.context_length else "default: trained, "
              "capped by memory", trained, options.kv_type, per_token, ctx * per_token / 2**20,
              "on" if options.prefix_reuse else "off", cache_bytes / 2**20)
+    draft_model = None
+    if draft is not None and options.draft_model:
+        from ..draft_model import DraftModel
+        draft_model = DraftModel(decoder_of(draft.model), ctx, dtype, options.prefill_chunk,
+                                 vocab_limit=decoder_of(ckpt.model).config.vocab_size,
+                                 name=model_name(options.draft_model))
+        log.info("speculative decoding: drafts from %s (up to %d tokens a step; %s)", draft_model.name,
+                 options.spec.draft_max, "off: --spec none" if not options.spec.enabled else "instead of the prompt's")
     # cast: Qwen3VLModel.forward takes the MRopeCache its own new_cache makes (the Engine only passes that one)
     engine = Engine(cast("CausalLM", ckpt.model), ckpt.tokenizer, ckpt.eos_ids, ctx, options.prefill_chunk, kv_dtype=dtype,
-                    cache_bytes=cache_bytes, reuse_prefix=options.prefix_reuse, spec=options.spec)
+                    cache_bytes=cache_bytes, reuse_prefix=options.prefix_reuse, spec=options.spec,
+                    draft_model=draft_model)
     phases.mark("engine (KV and prefix caches)")
     if options.prompt_cache_dir and recurrent:
         log.warning("--prompt-cache-dir: not kept for this model (its recurrent states are not written to disk)")

@@ -1,0 +1,133 @@
+"""Drafts from a second, smaller model (`--draft-model PATH`): its greedy continuation of the target's sequence.
+
+Policies:
+- The draft model is a text decoder (Qwen3, Qwen2, Llama, MoE; a Qwen3-VL checkpoint's text side) loaded beside
+  the target, run in the same engine thread and the same native pool. It must share the target's tokenizer:
+  every id stands for the same bytes and the same ids are special (`vocabulary_mismatch`, checked at load). Its
+  logits are read only over the ids both models have rows for. A model with recurrent layers (Qwen3.5) is not a
+  draft model: its state cannot take back a rejected draft.
+- It replaces the n-gram drafts (as in llama-server, where `-md` is the draft source). Drafting is greedy
+  (argmax); verification (speculative.py, generate.py) is exact whatever the draft is, so a poor draft model
+  costs speed, never correctness.
+- One KV cache of its own (the target's context length and KV type), holding one sequence: `cache_tokens` says
+  which ids it has. Before each draft the cache is cut back to the longest prefix it shares with the target's
+  sequence (rejected drafts drop out here; accepted ones stay), the missing tokens run in one forward (in
+  prefill chunks: a new prompt), then one forward per further drafted token. The last drafted token is not
+  fed (its keys are computed, if the target accepts it, at the next draft). The next request keeps the
+  prefix it shares with the last one, like the target's active sequence; no copies of earlier sequences are
+  kept for the draft. Its bytes per token count against --cache-ram with the target's (Engine).
+- A failed draft forward drops the draft's sequence (its keys are not trusted), and the error goes on to the
+  engine, which drops its own.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence, cast
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .qwen3 import Qwen3Model
+    from .tokenizer import Tokenizer
+
+
+def vocabulary_mismatch(target: Tokenizer, draft: Tokenizer) -> str | None:
+    """Why two tokenizers differ as far as drafting cares (one clause), or None when they agree: the number of
+    ids, the bytes of each id, which ids are special."""
+    if len(target) != len(draft):
+        return f"a vocabulary of {len(draft)} tokens, the model's has {len(target)}"
+    n = len(target)
+    a, b = target.all_token_bytes(n), draft.all_token_bytes(n)
+    if a != b:
+        i = next(i for i in range(n) if a[i] != b[i])
+        return f"token {i} is {b[i]!r}, the model's is {a[i]!r}"
+    if target.special_ids != draft.special_ids:
+        i = min(target.special_ids ^ draft.special_ids)
+        return f"token {i} is {'' if i in draft.special_ids else 'not '}special there, unlike the model's"
+    return None
+
+
+class DraftModel:
+    """The draft model and its one cached sequence; `drafter()` is the Engine's DrafterFactory."""
+
+    def __init__(self, model: Qwen3Model, max_len: int, kv_dtype=np.float32, prefill_chunk: int = 256,
+                 vocab_limit: int | None = None, name: str = "draft"):
+        self.model = model
+        self.name = name
+        self.cache = model.new_cache(max_len, kv_dtype)
+        self.cache_tokens: list[int] = []
+        self.prefill_chunk = prefill_chunk
+        self.vocab_limit = min(model.config.vocab_size, vocab_limit or model.config.vocab_size)
+        self.forwards_run = 0  # for tests
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.cache.bytes_per_token
+
+    def drafter(self) -> ModelDrafter:
+        return ModelDrafter(self)
+
+    def warm_up(self) -> None:
+        """One token through the model (first-product work at load, as Engine.warm_up), then taken back."""
+        n = len(self.cache_tokens)
+        if n + 1 > self.cache.max_len:
+            self.drop_sequence()
+            n = 0
+        self.model.forward(np.asarray([0], dtype=np.int64), self.cache, "last")
+        self.cache.truncate(n)
+
+    def drop_sequence(self) -> None:
+        self.cache.reset()
+        self.cache_tokens = []
+
+    def propose(self, seq: Sequence[int], k: int) -> list[int]:
+        """Up to k greedy tokens after seq (never past the cache's room)."""
+        k = min(k, self.cache.max_len - len(seq) + 1)
+        if k <= 0 or not seq:
+            return []
+        try:
+            logits = self._sync(seq)
+            out: list[int] = []
+            while True:
+                out.append(int(np.argmax(logits[:self.vocab_limit])))
+                if len(out) >= k:
+                    return out
+                logits = cast(np.ndarray, self._forward([out[-1]], "last"))  # "last": never None
+        except Exception:
+            self.drop_sequence()
+            raise
+
+    def _sync(self, seq: Sequence[int]) -> np.ndarray:
+        """Make the cache hold seq (keeping the prefix it shares, running the rest); the last position's logits."""
+        have, n = self.cache_tokens, 0
+        limit = min(len(have), len(seq) - 1)  # the last token always runs: its logits are the first draft's
+        while n < limit and have[n] == seq[n]:
+            n += 1
+        if n < len(have):
+            self.cache.truncate(n)
+            del have[n:]
+        logits: np.ndarray | None = None
+        for a in range(n, len(seq), self.prefill_chunk):
+            chunk = list(seq[a:a + self.prefill_chunk])
+            logits = self._forward(chunk, "last" if a + len(chunk) == len(seq) else "none")
+        assert logits is not None
+        return logits
+
+    def _forward(self, tokens: list[int], logits: str) -> np.ndarray | None:
+        out = self.model.forward(np.asarray(tokens, dtype=np.int64), self.cache, logits)
+        self.cache_tokens.extend(tokens)
+        self.forwards_run += 1
+        return out
+
+
+class ModelDrafter:
+    """One request's view of the draft model (speculative.Drafter): the target's sequence as the engine tells it."""
+
+    def __init__(self, draft: DraftModel):
+        self.draft = draft
+        self.tokens: list[int] = []
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.tokens.extend(int(t) for t in tokens)
+
+    def propose(self, k: int) -> list[int]:
+        return self.draft.propose(self.tokens, k)

@@ -1,0 +1,134 @@
+"""Drafts from a second model (--draft-model) through Engine.generate: whatever the draft model is, the tokens are
+plain decoding's (greedy, and sampled with the same seed). The target drafting for itself accepts nearly every
+draft; a different random model with the same tokenizer accepts few; both give the same tokens. The draft's KV
+cache follows the accepted tokens; a draft model of another tokenizer (or with recurrent layers) is refused."""
+import pytest
+
+from appliance.engine.generate import FinishEvent, GenerationRequest, TokenEvent
+from appliance.engine.load import LoadOptions, MismatchedDraft, ModelLoadError, load_model
+from appliance.engine.sampling import SamplingParams
+from appliance.engine.speculative import SpecOptions
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPTS = ["Tell me a story about a lighthouse.", "List three colours and say why you like them."]
+
+
+def options(**kw) -> LoadOptions:
+    return LoadOptions(context_length=512, prefill_chunk=16, **kw)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_qwen3_untied):
+    return load_model(tiny_qwen3_untied, options(spec=SpecOptions("none")))
+
+
+@pytest.fixture(scope="module")
+def self_drafted(tiny_qwen3_untied):
+    """The target drafting for itself: the draft's greedy choice is the target's (acceptance by construction)."""
+    return load_model(tiny_qwen3_untied, options(spec=SpecOptions(draft_max=6), draft_model=tiny_qwen3_untied))
+
+
+@pytest.fixture(scope="module")
+def other_drafted(tiny_qwen3_untied, tiny_qwen3_tied):
+    """Another random model with the same tokenizer drafting: its guesses are mostly wrong."""
+    return load_model(tiny_qwen3_untied, options(spec=SpecOptions(draft_max=6), draft_model=tiny_qwen3_tied))
+
+
+def ids_of(loaded, text):
+    return loaded.tokenizer.encode(loaded.chat_template.render([{"role": "user", "content": text}],
+                                                               add_generation_prompt=True))
+
+
+def run(loaded, req, should_cancel=lambda: False):
+    events = list(loaded.engine.generate(req, should_cancel))
+    fin = events[-1]
+    assert isinstance(fin, FinishEvent) and all(isinstance(e, TokenEvent) for e in events[:-1])
+    assert len(events) - 1 == len(fin.token_ids)          # one event per token
+    return events[:-1], fin
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_tokens_equal_plain_decoding_whatever_the_draft(plain, self_drafted, other_drafted, prompt):
+    req = GenerationRequest(ids_of(plain, prompt), GREEDY, max_tokens=40, ignore_eos=True)
+    ta, fa = run(plain, req)
+    tb, fb = run(self_drafted, req)
+    tc, fc = run(other_drafted, req)
+    assert fb.token_ids == fa.token_ids == fc.token_ids
+    assert [t.text for t in tb] == [t.text for t in ta] == [t.text for t in tc]
+    high, low = fb.timings, fc.timings
+    assert high.draft_n > 0 and high.draft_n_accepted >= 0.8 * high.draft_n      # itself: nearly all accepted
+    assert low.draft_n > 0 and low.draft_n_accepted <= 0.3 * low.draft_n         # another model: few
+    assert self_drafted.engine.decode_steps_run < plain.engine.decode_steps_run  # fewer target forwards
+    for m in (self_drafted, other_drafted):      # both caches hold the sequence plain decoding leaves
+        assert m.engine.cache_tokens == req.prompt_ids + fa.token_ids[:-1]
+        draft = m.engine.draft_model
+        assert draft.cache.length == len(draft.cache_tokens)
+        assert draft.cache_tokens[:len(req.prompt_ids)] == req.prompt_ids
+
+
+def test_sampled_tokens_with_a_seed_equal_plain_sampling(plain, self_drafted, other_drafted):
+    ids = ids_of(plain, PROMPTS[0])
+    accepted = 0
+    for seed in range(4):
+        sp = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, repetition_penalty=1.05, seed=seed)
+        req = GenerationRequest(ids, sp, max_tokens=24, ignore_eos=True)
+        _, fa = run(plain, req)
+        _, fb = run(self_drafted, req)
+        _, fc = run(other_drafted, req)
+        assert fb.token_ids == fa.token_ids == fc.token_ids, seed
+        accepted += fb.timings.draft_n_accepted
+    assert accepted > 0
+
+
+def test_the_draft_cache_follows_the_target_across_requests(plain, self_drafted):
+    """A follow-up prompt extending the last sequence runs only its new tokens through the draft model too;
+    a cancelled generation leaves both caches on the same tokens as plain decoding."""
+    first = ids_of(plain, PROMPTS[0])
+    _, fa = run(self_drafted, GenerationRequest(first, GREEDY, max_tokens=12, ignore_eos=True))
+    draft = self_drafted.engine.draft_model
+    second = first + fa.token_ids + plain.tokenizer.encode("<|im_end|>\n<|im_start|>user\nMore.<|im_end|>\n"
+                                                          "<|im_start|>assistant\n")
+    starts = []
+    forward = draft._forward
+
+    def spy(tokens, logits):
+        starts.append(draft.cache.length)
+        return forward(tokens, logits)
+    draft._forward = spy
+    try:
+        _, fb = run(self_drafted, GenerationRequest(second, GREEDY, max_tokens=12, ignore_eos=True))
+    finally:
+        del draft._forward
+    _, fp = run(plain, GenerationRequest(second, GREEDY, max_tokens=12, ignore_eos=True))
+    assert fb.token_ids == fp.token_ids and fb.timings.cache_n == len(first) + len(fa.token_ids) - 1
+    assert starts and min(starts) >= len(first)  # the shared prefix is not run through the draft model again
+
+    polls = []
+
+    def cancel_soon():
+        polls.append(1)
+        return len(polls) > 9
+    _, fc = run(self_drafted, GenerationRequest(first, GREEDY, max_tokens=40, ignore_eos=True), cancel_soon)
+    assert fc.reason == "cancelled" and 0 < len(fc.token_ids) < 12 and fc.token_ids == fa.token_ids[:len(fc.token_ids)]
+    assert self_drafted.engine.cache_tokens == first + fc.token_ids[:-1]
+
+
+def test_the_draft_counts_in_the_memory_budget(tiny_qwen3_untied, tiny_qwen3_tied, self_drafted):
+    e = self_drafted.engine
+    assert e.active_bytes_per_token == e.cache.bytes_per_token + e.draft_model.cache.bytes_per_token
+    assert e.draft_model.cache.max_len == e.context_length
+
+
+def test_another_tokenizer_is_refused_in_one_line(tiny_qwen3_untied, tmp_path):
+    from tests.support.tiny_files import write_hf_dir
+    other = write_hf_dir(str(tmp_path / "other-vocab"))
+    with pytest.raises(MismatchedDraft, match="not the model's tokenizer") as e:
+        load_model(tiny_qwen3_untied, options(draft_model=other))
+    assert "\n" not in str(e.value) and "other-vocab" in str(e.value)
+    with pytest.raises(ModelLoadError, match="--draft-model path does not exist"):
+        load_model(tiny_qwen3_untied, options(draft_model=str(tmp_path / "missing")))
+
+
+def test_a_recurrent_draft_model_is_refused(tiny_qwen3_untied, tiny_qwen3_5):
+    with pytest.raises(MismatchedDraft, match="recurrent"):
+        load_model(tiny_qwen3_untied, options(draft_model=tiny_qwen3_5))
