@@ -251,10 +251,15 @@ def test_tiny_vl_with_images_verifies_exactly(tmp_path_factory):
 CHI2_999 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515}  # chi-square quantiles at 1 - 0.001
 
 
-def test_sampled_distribution_with_independent_seeds_matches_plain(scripted_qwen3):
+@pytest.mark.parametrize("source", ["ngram", "draft_model"])
+def test_sampled_distribution_with_independent_seeds_matches_plain(scripted_qwen3, source):
     """Seeds differ between the two arms, so this is a distribution test, not the same-seed identity: the
-    scripted model's third answer token at temperature 2, 300 draws each, drafts accepted along its script."""
+    scripted model's third answer token at temperature 2, 300 draws each, drafts accepted along its script
+    (drafts from the prompt, or from the model itself as --draft-model)."""
     a, b = tiny_pair(scripted_qwen3)
+    if source == "draft_model":
+        b = load_model(scripted_qwen3, LoadOptions(context_length=512, prefill_chunk=16, spec=SpecOptions(draft_max=6),
+                                                   draft_model=scripted_qwen3))
     ids = a.tokenizer.encode(a.chat_template.render(
         [{"role": "user", "content": "Say: Sunny in Paris today. Sunny in Paris today."}],
         add_generation_prompt=True, enable_thinking=False))

@@ -1,6 +1,8 @@
 """Speculative decoding through the CLI and the openai client: drafts from the prompt are on by default, the
 streamed text is --spec none's token for token (one SSE event per token), and the figures are reported in the
-final chunk's `timings` (llama-server's draft_n / draft_n_accepted) and in /metrics."""
+final chunk's `timings` (llama-server's draft_n / draft_n_accepted) and in /metrics. With --draft-model (the
+model drafting for itself: nearly all accepted; another random model of its tokenizer: few) the stream is the
+same again; a draft model of another tokenizer is a one-line error, exit status 2."""
 import urllib.request
 
 import openai
@@ -56,3 +58,43 @@ def test_bad_draft_flags_are_one_line_errors(tmp_path):
         r = subprocess.run([sys.executable, "-m", "appliance", "--model", str(tmp_path), *args],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+
+
+def test_a_draft_model_streams_the_same_tokens(cli_server, scripted_qwen3, tiny_qwen3_tied):
+    greedy = {"temperature": 0, "max_tokens": 20}
+    servers = {}
+    for name, args in (("plain", ("--spec", "none")), ("itself", ("--draft-model", scripted_qwen3)),
+                       ("other", ("-md", tiny_qwen3_tied, "--draft-max", "4"))):
+        proc, port = cli_server(scripted_qwen3, *args)
+        drain_stderr(proc)
+        servers[name] = port
+    plain, _ = stream(servers["plain"], **greedy)
+    assert "".join(plain) == " Sunny in Paris today."
+    for name in ("itself", "other"):
+        pieces, timings = stream(servers[name], **greedy)
+        assert pieces == plain, name                                    # one event per token, the same tokens
+        t = timings[-1]
+        if name == "itself":
+            assert t["draft_n"] > 0 and t["draft_n_accepted"] >= len(plain) - 1
+        else:
+            assert t.get("draft_n", 0) > 0 and t.get("draft_n_accepted", 0) <= t["draft_n"] // 2
+        assert metrics(servers[name])["kestrel_draft_tokens_total"] == t["draft_n"]
+        cut, _ = stream(servers[name], stop=[" Paris"], **greedy)
+        assert "".join(cut) == " Sunny in"
+
+
+def test_a_draft_model_of_another_tokenizer_is_refused(scripted_qwen3, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.support.tiny_files import write_hf_dir
+    other = write_hf_dir(str(tmp_path / "other-vocab"))
+    for extra in ((), ("--prompt", "Hi")):
+        r = subprocess.run([sys.executable, "-m", "appliance", "--model", scripted_qwen3, "--port", "0",
+                            "--draft-model", other, *extra], capture_output=True, text=True, timeout=120)
+        errors = [line for line in r.stderr.splitlines() if "error:" in line]
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert len(errors) == 1 and "--draft-model" in errors[0] and "tokenizer" in errors[0], r.stderr
+    r = subprocess.run([sys.executable, "-m", "appliance", "--model", scripted_qwen3, "--spec", "none",
+                        "--draft-model", scripted_qwen3], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--draft-model" in r.stderr and "Traceback" not in r.stderr
