@@ -12,6 +12,9 @@ Policies:
 - Drafts from the prompt (`ngram`, the default): the most recent earlier occurrence of the last n tokens
   (n = 3, then 2) in the prompt and the output so far proposes the tokens that followed it. No match, no
   draft: a step without a draft is a plain decode step and costs nothing extra.
+- Drafts from a model (`--draft-model`, draft_model.py): a smaller model of the same tokenizer drafts its greedy
+  continuation; it replaces the prompt's drafts. The cost of a run the draft length weighs is drafting plus
+  verifying.
 - Models whose cache holds recurrent states (Qwen3.5's linear layers) do not draft: their state cannot be
   rolled back to the accepted length (it would need a snapshot per drafted position).
 - Draft length adapts: it grows after a fully accepted run and shrinks to what the last run accepted plus one.
