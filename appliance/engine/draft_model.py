@@ -3,9 +3,9 @@
 Policies:
 - The draft model is a text decoder (Qwen3, Qwen2, Llama, MoE; a Qwen3-VL checkpoint's text side) loaded beside
   the target, run in the same engine thread and the same native pool. It must share the target's tokenizer:
-  every id stands for the same bytes and the same ids are special (`vocabulary_mismatch`, checked at load). Its
-  logits are read only over the ids both models have rows for. A model with recurrent layers (Qwen3.5) is not a
-  draft model: its state cannot take back a rejected draft.
+  every id stands for the same bytes and the same ids are special, up to a GGUF's padding tokens
+  (`vocabulary_mismatch`, checked at load). Its logits are read only over the ids both models have rows for.
+  A model with recurrent layers (Qwen3.5) is not a draft model: its state cannot take back a rejected draft.
 - It replaces the n-gram drafts (as in llama-server, where `-md` is the draft source). Drafting is greedy
   (argmax); verification (speculative.py, generate.py) is exact whatever the draft is, so a poor draft model
   costs speed, never correctness.
@@ -31,17 +31,22 @@ if TYPE_CHECKING:
 
 
 def vocabulary_mismatch(target: Tokenizer, draft: Tokenizer) -> str | None:
-    """Why two tokenizers differ as far as drafting cares (one clause), or None when they agree: the number of
-    ids, the bytes of each id, which ids are special."""
-    if len(target) != len(draft):
-        return f"a vocabulary of {len(draft)} tokens, the model's has {len(target)}"
-    n = len(target)
+    """Why two tokenizers differ as far as drafting cares (one clause), or None when they agree: every id both
+    have stands for the same bytes and is special in both or neither; ids only one has are padding (`[PAD<id>]`,
+    what llama.cpp's converter fills a GGUF vocabulary up to the embedding's rows with)."""
+    n = min(len(target), len(draft))
     a, b = target.all_token_bytes(n), draft.all_token_bytes(n)
     if a != b:
         i = next(i for i in range(n) if a[i] != b[i])
         return f"token {i} is {b[i]!r}, the model's is {a[i]!r}"
-    if target.special_ids != draft.special_ids:
-        i = min(target.special_ids ^ draft.special_ids)
+    longer, whose = (target, "the model's") if len(target) > len(draft) else (draft, "its")
+    extra = longer.all_token_bytes(len(longer))[n:]
+    odd = next((n + j for j, t in enumerate(extra) if t not in (b"", f"[PAD{n + j}]".encode())), None)
+    if odd is not None:
+        return f"token {odd} is only in {whose} vocabulary ({len(draft)} tokens, the model's {len(target)})"
+    special = {i for i in target.special_ids ^ draft.special_ids if i < n}
+    if special:
+        i = min(special)
         return f"token {i} is {'' if i in draft.special_ids else 'not '}special there, unlike the model's"
     return None
 

@@ -132,3 +132,17 @@ def test_another_tokenizer_is_refused_in_one_line(tiny_qwen3_untied, tmp_path):
 def test_a_recurrent_draft_model_is_refused(tiny_qwen3_untied, tiny_qwen3_5):
     with pytest.raises(MismatchedDraft, match="recurrent"):
         load_model(tiny_qwen3_untied, options(draft_model=tiny_qwen3_5))
+
+
+def test_a_gguf_model_takes_a_directory_draft_of_its_tokenizer(plain, tiny_qwen3_untied, tiny_qwen3_tied, tmp_path):
+    """The GGUF converter pads the vocabulary to the embedding's rows with [PAD<id>] tokens: still the same
+    tokenizer, so a GGUF target drafts from a Hugging Face directory (and the tokens stay plain decoding's)."""
+    from appliance.convert import convert
+    target = convert(tiny_qwen3_untied, str(tmp_path / "target.gguf"), "f32")
+    gguf_plain = load_model(target, options(spec=SpecOptions("none")))
+    drafted = load_model(target, options(spec=SpecOptions(draft_max=4), draft_model=tiny_qwen3_untied))
+    assert len(drafted.tokenizer) > len(plain.tokenizer)                  # padded, and not
+    req = GenerationRequest(ids_of(plain, PROMPTS[1]), GREEDY, max_tokens=24, ignore_eos=True)
+    _, fa = run(gguf_plain, req)
+    _, fb = run(drafted, req)
+    assert fb.token_ids == fa.token_ids and fb.timings.draft_n_accepted > 0
