@@ -126,6 +126,7 @@ class DraftModel:
 
 class ModelDrafter:
     """One request's view of the draft model (speculative.Drafter): the target's sequence as the engine tells it."""
+    always_proposes = True  # never a step without a draft: DraftLength measures a plain step first
 
     def __init__(self, draft: DraftModel):
         self.draft = draft

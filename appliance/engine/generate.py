@@ -414,7 +414,8 @@ class Engine:
     def _speculation(self, req: GenerationRequest) -> _Speculation | None:
         if not self.spec.enabled or self._exact:  # a recurrent state cannot take back a rejected draft
             return None
-        s = _Speculation(self.drafter(), DraftLength(self.spec))
+        drafter = self.drafter()
+        s = _Speculation(drafter, DraftLength(self.spec, measure_first=getattr(drafter, "always_proposes", False)))
         s.length.step_ms = self.step_ms
         s.drafter.extend(req.prompt_ids)
         return s

@@ -18,9 +18,10 @@ Policies:
 - Models whose cache holds recurrent states (Qwen3.5's linear layers) do not draft: their state cannot be
   rolled back to the accepted length (it would need a snapshot per drafted position).
 - Draft length adapts: it grows after a fully accepted run and shrinks to what the last run accepted plus one.
-  A run pays when the tokens it yields per verify outweigh what the wider forward costs over a one-token step;
-  both costs are measured as the request runs. When the recent yield per cost falls below 1, drafting pauses
-  for a while (doubling pauses) and is retried.
+  A run pays when the tokens it yields per verify outweigh what drafting and the wider forward cost over a
+  one-token step; both costs are measured as the request runs (a drafter that always has a draft, a model,
+  gets the engine's first decode step run plain, to know a step's). When the recent yield per cost falls
+  below 1, drafting pauses for a while (doubling pauses) and is retried.
 """
 from __future__ import annotations
 
@@ -55,6 +56,8 @@ class Drafter(Protocol):
     def extend(self, tokens: Sequence[int]) -> None: ...
 
     def propose(self, k: int) -> list[int]: ...
+
+    # optional: `always_proposes = True` (a model drafter), so plain steps are not left to a lack of drafts
 
 
 DrafterFactory = Callable[[], Drafter]
@@ -94,8 +97,9 @@ class NgramDrafter:
 class DraftLength:
     """How many tokens to draft next, from the acceptance and the measured costs of this request's steps."""
 
-    def __init__(self, options: SpecOptions):
+    def __init__(self, options: SpecOptions, measure_first: bool = False):
         self.options = options
+        self.measure_first = measure_first   # a drafter that always proposes (a model) never makes a plain step
         self.k = min(4, options.draft_max)
         self.step_ms: float | None = None    # one-token decode step, running mean
         self.gain = 1.0                      # recent (tokens per verify) / (verify cost in steps), running mean
@@ -104,6 +108,8 @@ class DraftLength:
         self._next_pause = 8
 
     def next_k(self) -> int:
+        if self.step_ms is None and self.measure_first:  # a plain step first: what a run must pay against
+            return 0
         if self.pause > 0:
             self.pause -= 1
             return 0
