@@ -31,7 +31,7 @@ import numpy as np
 from .kv_cache import ContextLengthError, KVCache
 from .prefix_cache import CachedSequence, ImageKey, PrefixStore, common_prefix
 from .sampling import Sampler, SamplingParams, TokenLogprob
-from .speculative import Drafter, DrafterFactory, DraftLength, NgramDrafter, SpecOptions
+from .speculative import DrafterFactory, NgramDrafter, SpecOptions, Speculation
 from .text_stream import IncrementalDetokenizer, StopMatcher
 
 if TYPE_CHECKING:
@@ -113,14 +113,6 @@ class FinishEvent:
     token_ids: list[int]
     timings: Timings
     stop_sequence: str | None = None  # the stop string that ended it (reason 'stop'), else None
-
-
-@dataclass
-class _Speculation:
-    """One request's drafting state."""
-    drafter: Drafter
-    length: DraftLength
-    verify: tuple[int, float] | None = None  # the run being consumed: tokens drafted, ms of its forward
 
 
 def _ms(t0: float) -> float:
@@ -411,16 +403,12 @@ class Engine:
                     spec.length.plain_step(_ms(t_fwd))
                     self.step_ms = spec.length.step_ms
 
-    def _speculation(self, req: GenerationRequest) -> _Speculation | None:
+    def _speculation(self, req: GenerationRequest) -> Speculation | None:
         if not self.spec.enabled or self._exact:  # a recurrent state cannot take back a rejected draft
             return None
-        drafter = self.drafter()
-        s = _Speculation(drafter, DraftLength(self.spec, measure_first=getattr(drafter, "always_proposes", False)))
-        s.length.step_ms = self.step_ms
-        s.drafter.extend(req.prompt_ids)
-        return s
+        return Speculation.start(self.spec, self.drafter, self.step_ms, req.prompt_ids)
 
-    def _draft(self, spec: _Speculation | None, room: int) -> list[int]:
+    def _draft(self, spec: Speculation | None, room: int) -> list[int]:
         """Tokens to verify after the next one: at most room - 1 (each verified position yields one token) and
         what fits in the context."""
         if spec is None:

@@ -134,3 +134,21 @@ class DraftLength:
             self.verifies = 0
         elif gain >= 1.0:
             self._next_pause = 8
+
+
+@dataclass
+class Speculation:
+    """One request's drafting state."""
+    drafter: Drafter
+    length: DraftLength
+    verify: tuple[int, float] | None = None  # the run being consumed: tokens drafted, ms of drafting + its forward
+
+    @classmethod
+    def start(cls, options: SpecOptions, drafter_factory: DrafterFactory, step_ms: float | None,
+              prompt_ids: Sequence[int]) -> Speculation:
+        """A request's drafter, told the prompt; its draft length starts from the engine's measured step."""
+        drafter = drafter_factory()
+        s = cls(drafter, DraftLength(options, measure_first=getattr(drafter, "always_proposes", False)))
+        s.length.step_ms = step_ms
+        drafter.extend(prompt_ids)
+        return s

@@ -129,9 +129,11 @@ def test_another_tokenizer_is_refused_in_one_line(tiny_qwen3_untied, tmp_path):
         load_model(tiny_qwen3_untied, options(draft_model=str(tmp_path / "missing")))
 
 
-def test_a_recurrent_draft_model_is_refused(tiny_qwen3_untied, tiny_qwen3_5):
+def test_recurrent_models_do_not_take_a_draft_model(tiny_qwen3_untied, tiny_qwen3_5):
     with pytest.raises(MismatchedDraft, match="recurrent"):
         load_model(tiny_qwen3_untied, options(draft_model=tiny_qwen3_5))
+    with pytest.raises(ModelLoadError, match="recurrent"):
+        load_model(tiny_qwen3_5, options(draft_model=tiny_qwen3_untied))
 
 
 def test_a_gguf_model_takes_a_directory_draft_of_its_tokenizer(plain, tiny_qwen3_untied, tiny_qwen3_tied, tmp_path):

@@ -75,7 +75,7 @@ def test_a_draft_model_streams_the_same_tokens(cli_server, scripted_qwen3, tiny_
         assert pieces == plain, name                                    # one event per token, the same tokens
         t = timings[-1]
         if name == "itself":
-            assert t["draft_n"] > 0 and t["draft_n_accepted"] >= len(plain) - 1
+            assert t["draft_n"] > 0 and t["draft_n_accepted"] >= len(plain) - 2   # the first step is plain
         else:
             assert t.get("draft_n", 0) > 0 and t.get("draft_n_accepted", 0) <= t["draft_n"] // 2
         assert metrics(servers[name])["kestrel_draft_tokens_total"] == t["draft_n"]
