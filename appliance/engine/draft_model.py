@@ -10,9 +10,11 @@ Policies:
   (argmax); verification (speculative.py, generate.py) is exact whatever the draft is, so a poor draft model
   costs speed, never correctness.
 - One KV cache of its own (the target's context length and KV type), holding one sequence: `cache_tokens` says
-  which ids it has. Before each draft the cache is cut back to the longest prefix it shares with the target's
-  sequence (rejected drafts drop out here; accepted ones stay), the missing tokens run in one forward (in
-  prefill chunks: a new prompt), then one forward per further drafted token. The last drafted token is not
+  which ids it has. The prompt runs through it after the target's prefill (in chunks, `should_cancel` polled
+  between them; time to first token counts it), keeping the prefix it shares with the cached sequence. Before
+  each draft the cache is cut back to the longest prefix it shares with the target's sequence (rejected drafts
+  drop out here; accepted ones stay), the missing tokens run in one forward, then one forward per further
+  drafted token. The last drafted token is not
   fed (its keys are computed, if the target accepts it, at the next draft). The next request keeps the
   prefix it shares with the last one, like the target's active sequence; no copies of earlier sequences are
   kept for the draft. Its bytes per token count against --cache-ram with the target's (Engine).
@@ -21,7 +23,7 @@ Policies:
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence, cast
+from typing import TYPE_CHECKING, Callable, Sequence, cast
 
 import numpy as np
 
@@ -90,7 +92,7 @@ class DraftModel:
         if k <= 0 or not seq:
             return []
         try:
-            logits = self._sync(seq)
+            logits = cast(np.ndarray, self._sync(seq))  # the last token ran with "last"
             out: list[int] = []
             while True:
                 out.append(int(np.argmax(logits[:self.vocab_limit])))
@@ -101,10 +103,20 @@ class DraftModel:
             self.drop_sequence()
             raise
 
-    def _sync(self, seq: Sequence[int]) -> np.ndarray:
-        """Make the cache hold seq (keeping the prefix it shares, running the rest); the last position's logits."""
+    def prefill(self, seq: Sequence[int], should_cancel: Callable[[], bool]) -> None:
+        """Make the cache hold seq (a prompt), in prefill chunks; stops between chunks once should_cancel is true."""
+        try:
+            self._sync(seq, keep_last=True, should_cancel=should_cancel)
+        except Exception:
+            self.drop_sequence()
+            raise
+
+    def _sync(self, seq: Sequence[int], keep_last: bool = False,
+              should_cancel: Callable[[], bool] = lambda: False) -> np.ndarray | None:
+        """Make the cache hold seq (keeping the prefix it shares, running the rest); the last position's logits
+        (unless keep_last: the last token need not run again, and nothing is returned)."""
         have, n = self.cache_tokens, 0
-        limit = min(len(have), len(seq) - 1)  # the last token always runs: its logits are the first draft's
+        limit = min(len(have), len(seq) if keep_last else len(seq) - 1)  # a token that runs gives the next logits
         while n < limit and have[n] == seq[n]:
             n += 1
         if n < len(have):
@@ -112,9 +124,10 @@ class DraftModel:
             del have[n:]
         logits: np.ndarray | None = None
         for a in range(n, len(seq), self.prefill_chunk):
+            if should_cancel():
+                break
             chunk = list(seq[a:a + self.prefill_chunk])
-            logits = self._forward(chunk, "last" if a + len(chunk) == len(seq) else "none")
-        assert logits is not None
+            logits = self._forward(chunk, "last" if a + len(chunk) == len(seq) and not keep_last else "none")
         return logits
 
     def _forward(self, tokens: list[int], logits: str) -> np.ndarray | None:
@@ -137,3 +150,7 @@ class ModelDrafter:
 
     def propose(self, k: int) -> list[int]:
         return self.draft.propose(self.tokens, k)
+
+    def prefill(self, should_cancel: Callable[[], bool]) -> None:
+        """The prompt through the draft model before the first token (as the target's prefill; TTFT counts it)."""
+        self.draft.prefill(self.tokens, should_cancel)

@@ -341,7 +341,7 @@ class Engine:
             yield finish("cancelled")
             return
         t_step = time.perf_counter()
-        spec = self._speculation(req)
+        spec = self._speculation(req, should_cancel)
         run: list[np.ndarray] = []  # logits of a verified run's next positions, after `logits`
         drafted: list[int] = []     # the drafted tokens those positions were fed
         while True:
@@ -403,10 +403,10 @@ class Engine:
                     spec.length.plain_step(_ms(t_fwd))
                     self.step_ms = spec.length.step_ms
 
-    def _speculation(self, req: GenerationRequest) -> Speculation | None:
+    def _speculation(self, req: GenerationRequest, should_cancel: Callable[[], bool]) -> Speculation | None:
         if not self.spec.enabled or self._exact:  # a recurrent state cannot take back a rejected draft
             return None
-        return Speculation.start(self.spec, self.drafter, self.step_ms, req.prompt_ids)
+        return Speculation.start(self.spec, self.drafter, self.step_ms, req.prompt_ids, should_cancel)
 
     def _draft(self, spec: Speculation | None, room: int) -> list[int]:
         """Tokens to verify after the next one: at most room - 1 (each verified position yields one token) and

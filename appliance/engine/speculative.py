@@ -57,7 +57,8 @@ class Drafter(Protocol):
 
     def propose(self, k: int) -> list[int]: ...
 
-    # optional: `always_proposes = True` (a model drafter), so plain steps are not left to a lack of drafts
+    # optional: `always_proposes = True` (a model drafter), so plain steps are not left to a lack of drafts;
+    # `prefill(should_cancel)`, work on the prompt before the first token (a model drafter's prompt prefill)
 
 
 DrafterFactory = Callable[[], Drafter]
@@ -145,10 +146,14 @@ class Speculation:
 
     @classmethod
     def start(cls, options: SpecOptions, drafter_factory: DrafterFactory, step_ms: float | None,
-              prompt_ids: Sequence[int]) -> Speculation:
-        """A request's drafter, told the prompt; its draft length starts from the engine's measured step."""
+              prompt_ids: Sequence[int], should_cancel: Callable[[], bool]) -> Speculation:
+        """A request's drafter, told the prompt (and prefilled with it, if it has a prefill); its draft length
+        starts from the engine's measured step."""
         drafter = drafter_factory()
         s = cls(drafter, DraftLength(options, measure_first=getattr(drafter, "always_proposes", False)))
         s.length.step_ms = step_ms
         drafter.extend(prompt_ids)
+        prefill = getattr(drafter, "prefill", None)
+        if prefill is not None:
+            prefill(should_cancel)
         return s

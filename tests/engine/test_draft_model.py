@@ -113,6 +113,27 @@ def test_the_draft_cache_follows_the_target_across_requests(plain, self_drafted)
     assert self_drafted.engine.cache_tokens == first + fc.token_ids[:-1]
 
 
+def test_a_cancel_during_the_draft_prompt_prefill(plain, self_drafted):
+    """The draft model's prompt prefill polls should_cancel between its chunks: the generation stops after its
+    first token, the draft keeps the whole chunks it ran, and the next request is plain decoding's again."""
+    ids = ids_of(plain, " ".join(PROMPTS * 3))
+    engine, draft = self_drafted.engine, self_drafted.engine.draft_model
+    engine.drop_sequence()
+    engine.store.clear()                       # nothing of the prompt reused: the target prefills every chunk
+    draft.drop_sequence()
+    target_polls = -(-len(ids) // engine.prefill_chunk)
+    polls = []
+
+    def cancel_in_draft_prefill():
+        polls.append(1)
+        return len(polls) > target_polls + 1   # the target's chunks, the draft's first chunk, then stop
+    _, fin = run(self_drafted, GenerationRequest(ids, GREEDY, max_tokens=20, ignore_eos=True), cancel_in_draft_prefill)
+    assert fin.reason == "cancelled" and len(fin.token_ids) == 1
+    assert draft.cache_tokens == ids[:draft.prefill_chunk] and draft.cache.length == draft.prefill_chunk
+    req = GenerationRequest(ids, GREEDY, max_tokens=20, ignore_eos=True)
+    assert run(self_drafted, req)[1].token_ids == run(plain, req)[1].token_ids
+
+
 def test_the_draft_counts_in_the_memory_budget(tiny_qwen3_untied, tiny_qwen3_tied, self_drafted):
     e = self_drafted.engine
     assert e.active_bytes_per_token == e.cache.bytes_per_token + e.draft_model.cache.bytes_per_token
