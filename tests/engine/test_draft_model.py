@@ -169,3 +169,28 @@ def test_a_gguf_model_takes_a_directory_draft_of_its_tokenizer(plain, tiny_qwen3
     _, fa = run(gguf_plain, req)
     _, fb = run(drafted, req)
     assert fb.token_ids == fa.token_ids and fb.timings.draft_n_accepted > 0
+
+
+def test_qwen3_vl_with_a_draft_model(tiny_qwen3_untied, tmp_path_factory):
+    """A Qwen3-VL model with an image in the prompt drafts from a text model (which reads the image pads as
+    tokens: its drafts are only guesses, and the tokens stay plain decoding's); a Qwen3-VL checkpoint drafts
+    with its text side."""
+    from appliance.engine.image_processing import decode_image
+    from appliance.engine.qwen3_vl import expand_image_pads
+    from tests.support.tiny_vl import cached_qwen3_vl, image_bytes
+
+    vl = cached_qwen3_vl(tmp_path_factory)
+    a = load_model(vl, options(spec=SpecOptions("none")))
+    b = load_model(vl, options(spec=SpecOptions(draft_max=4), draft_model=tiny_qwen3_untied))
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a"}},
+                                             {"type": "text", "text": "What is it?"}]}]
+    ids = a.tokenizer.encode(a.chat_template.render(messages, add_generation_prompt=True))
+    patches = [a.model.image_processor.preprocess(decode_image(image_bytes(48, 32, "PNG", seed=1)))]
+    ids = expand_image_pads(ids, 151655, [p.num_tokens for p in patches])
+    req = GenerationRequest(ids, GREEDY, max_tokens=16, ignore_eos=True, images=tuple(patches))
+    assert run(b, req)[1].token_ids == run(a, req)[1].token_ids
+    text_plain = load_model(tiny_qwen3_untied, options(spec=SpecOptions("none")))
+    text_drafted = load_model(tiny_qwen3_untied, options(spec=SpecOptions(draft_max=4), draft_model=vl))
+    req = GenerationRequest(ids_of(text_plain, PROMPTS[0]), GREEDY, max_tokens=16, ignore_eos=True)
+    _, fb = run(text_drafted, req)
+    assert fb.token_ids == run(text_plain, req)[1].token_ids and fb.timings.draft_n > 0
