@@ -14,10 +14,10 @@ Policies:
   between them; time to first token counts it), keeping the prefix it shares with the cached sequence. Before
   each draft the cache is cut back to the longest prefix it shares with the target's sequence (rejected drafts
   drop out here; accepted ones stay), the missing tokens run in one forward, then one forward per further
-  drafted token. The last drafted token is not
-  fed (its keys are computed, if the target accepts it, at the next draft). The next request keeps the
-  prefix it shares with the last one, like the target's active sequence; no copies of earlier sequences are
-  kept for the draft. Its bytes per token count against --cache-ram with the target's (Engine).
+  drafted token. The last drafted token is not fed (its keys are computed, if the target accepts it, at the
+  next draft). The next request keeps the prefix it shares with the last one (unless --no-prefix-cache), like
+  the target's active sequence; no copies of earlier sequences are kept for the draft. Its bytes per token
+  count against --cache-ram with the target's (Engine.active_bytes_per_token).
 - A failed draft forward drops the draft's sequence (its keys are not trusted), and the error goes on to the
   engine, which drops its own.
 """
@@ -57,12 +57,13 @@ class DraftModel:
     """The draft model and its one cached sequence; `drafter()` is the Engine's DrafterFactory."""
 
     def __init__(self, model: Qwen3Model, max_len: int, kv_dtype=np.float32, prefill_chunk: int = 256,
-                 vocab_limit: int | None = None, name: str = "draft"):
+                 vocab_limit: int | None = None, name: str = "draft", reuse_prefix: bool = True):
         self.model = model
         self.name = name
         self.cache = model.new_cache(max_len, kv_dtype)
         self.cache_tokens: list[int] = []
         self.prefill_chunk = prefill_chunk
+        self.reuse_prefix = reuse_prefix  # --no-prefix-cache: every prompt runs from scratch here too
         self.vocab_limit = min(model.config.vocab_size, vocab_limit or model.config.vocab_size)
         self.forwards_run = 0  # for tests
 
@@ -105,6 +106,8 @@ class DraftModel:
 
     def prefill(self, seq: Sequence[int], should_cancel: Callable[[], bool]) -> None:
         """Make the cache hold seq (a prompt), in prefill chunks; stops between chunks once should_cancel is true."""
+        if not self.reuse_prefix:
+            self.drop_sequence()
         try:
             self._sync(seq, keep_last=True, should_cancel=should_cancel)
         except Exception:

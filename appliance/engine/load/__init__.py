@@ -277,7 +277,7 @@ def finish(path: str, ckpt: Checkpoint, options: LoadOptions, phases: Phases | N
         from ..draft_model import DraftModel
         draft_model = DraftModel(decoder_of(draft.model), ctx, dtype, options.prefill_chunk,
                                  vocab_limit=decoder_of(ckpt.model).config.vocab_size,
-                                 name=model_name(options.draft_model))
+                                 name=model_name(options.draft_model), reuse_prefix=options.prefix_reuse)
         log.info("speculative decoding: drafts from %s (up to %d tokens a step; %s)", draft_model.name,
                  options.spec.draft_max, "off: --spec none" if not options.spec.enabled else "instead of the prompt's")
     # cast: Qwen3VLModel.forward takes the MRopeCache its own new_cache makes (the Engine only passes that one)
