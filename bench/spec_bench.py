@@ -120,18 +120,35 @@ def draft_path(name: str) -> str:
     return out if os.path.exists(os.path.join(out, "config.json")) else build_qwen3(out, seed=11)
 
 
-def bench_draft_model(label: str, path: str, drafts: list[str], threads: int, n: int, runs: int) -> None:
+def engine_arm(loaded, spec: SpecOptions, draft=None):
+    """An engine of its own (caches, drafting) over the loaded model's weights: one load serves every arm."""
+    from types import SimpleNamespace
+
+    from appliance.engine.draft_model import DraftModel
+    from appliance.engine.generate import Engine
+    from appliance.engine.load import decoder_of
+    e = loaded.engine
+    draft_model = None if draft is None else DraftModel(decoder_of(draft), e.context_length, e.cache.dtype,
+                                                         e.prefill_chunk, loaded.config.vocab_size)
+    engine = Engine(loaded.model, loaded.tokenizer, e.eos_ids, e.context_length, e.prefill_chunk, e.cache.dtype,
+                    spec=spec, draft_model=draft_model)
+    engine.warm_up()
+    return SimpleNamespace(engine=engine)
+
+
+def bench_draft_model(label: str, path: str, drafts: list[str], tasks: list[str], threads: int, n: int,
+                      runs: int) -> None:
     kernels.configure_threads(threads)
-    opts = LoadOptions(context_length=2048, threads=threads)
-    arms = {"plain": load_model(path, opts, spec=SpecOptions("none")), "ngram": load_model(path, opts)}
-    for d in drafts:
-        arms[d] = load_model(path, opts, draft_model=path if d == "self" else draft_path(d))
-    for m in arms.values():
-        m.engine.warm_up()
+    target = load_model(path, LoadOptions(context_length=2048, threads=threads, spec=SpecOptions("none")))
+    target.engine.warm_up()
+    arms = {"plain": target, "ngram": engine_arm(target, SpecOptions())}
+    for d in drafts:  # "self": the target's own weights draft (no second copy)
+        dm = target.model if d == "self" else load_model(draft_path(d), LoadOptions(context_length=64)).model
+        arms[d] = engine_arm(target, SpecOptions(), dm)
     with peer_module().LlamaCppPeer(path, n_threads=threads, n_ctx=2048) as lp:
-        for task, text in TASKS.items():
-            ids = arms["plain"].tokenizer.encode(arms["plain"].chat_template.render(
-                [{"role": "user", "content": text}], add_generation_prompt=True))
+        for task in tasks:
+            ids = target.tokenizer.encode(target.chat_template.render(
+                [{"role": "user", "content": TASKS[task]}], add_generation_prompt=True))
             speed: dict[str, list[float]] = {k: [] for k in [*arms, "llama"]}
             accepted: dict[str, str] = {}
             for _ in range(runs):
@@ -168,6 +185,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--draft-model", default="", help="comma list of drafts: self, tiny, or paths")
+    ap.add_argument("--tasks", default=",".join(TASKS), help="with --draft-model: comma list of tasks")
     a = ap.parse_args(argv)
     print(f"load average {os.getloadavg()[0]:.1f}; {a.threads} threads; greedy, up to {a.tokens} tokens")
     if a.draft_model:
@@ -177,7 +195,7 @@ def main(argv=None) -> int:
               + " | ours n-gram | ours plain | llama.cpp tok/s |")
         print("|---|---|---|---|" + "---|" * (len(drafts) + 3))
         for label, path in model_files(a.models.split(",")).items():
-            bench_draft_model(label, path, drafts, a.threads, a.tokens, a.runs)
+            bench_draft_model(label, path, drafts, a.tasks.split(","), a.threads, a.tokens, a.runs)
         return 0
     print("| model | task | prompt tokens | tokens | ours n-gram tok/s | ours plain tok/s | llama.cpp tok/s | "
           "llama-cpp-python generate tok/s | its prompt lookup tok/s | accepted/drafted |")
