@@ -50,13 +50,15 @@ def llama_cpp_tree() -> str:
     return tree
 
 
-def convert_hf(src: str, out: str, outtype: str, mmproj: bool = False, timeout: float = 600) -> str:
+def convert_hf(src: str, out: str, outtype: str, mmproj: bool = False, timeout: float = 600,
+               extra: tuple[str, ...] = ()) -> str:
     """Run llama.cpp's converter on the Hugging Face directory src: the text model, or with mmproj=True the vision
-    projector, as `outtype` (f32, f16, bf16, q8_0). Returns out."""
+    projector, as `outtype` (f32, f16, bf16, q8_0); `extra` are more converter flags (e.g. "--no-mtp": a Qwen3.5
+    checkpoint without its multi-token-prediction head). Returns out."""
     tree = llama_cpp_tree()
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}  # the script puts its gguf-py first
     cmd = [sys.executable, os.path.join(tree, "convert_hf_to_gguf.py"), "--outtype", outtype, "--outfile", out]
-    p = subprocess.run(cmd + (["--mmproj"] if mmproj else []) + [src], env=env, capture_output=True, text=True,
+    p = subprocess.run(cmd + (["--mmproj"] if mmproj else []) + list(extra) + [src], env=env, capture_output=True, text=True,
                        timeout=timeout)
     if p.returncode != 0 or not os.path.exists(out):
         raise RuntimeError(f"convert_hf_to_gguf.py failed ({p.returncode}): {p.stderr[-2000:]}")

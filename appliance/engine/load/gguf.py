@@ -1,6 +1,6 @@
 """GGUF files (llama.cpp's container) -> decoder objects: qwen3, qwen2, llama, qwen3moe, qwen3vl and qwen3vlmoe
 architectures (qwen3vl/qwen3vlmoe: the Qwen3 / Qwen3-MoE decoder, with its mmproj vision projector when there is
-one: gguf_vl.py).
+one: gguf_vl.py); qwen35 / qwen35moe (Qwen3.5's hybrid decoder, text only) are gguf_qwen35.py's.
 
 Policies:
 - The file is memory-mapped (gguf_file.GGUFFile, GGUFReader's view of it) and the weights stay in their stored form:
@@ -139,7 +139,8 @@ def config_from_metadata(meta: dict[str, Any], f: GGUFModelFile) -> Qwen3Config:
     """The decoder's configuration from the file's own keys, each typed and bounded (gguf_check.meta_int ...)."""
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        raise ValueError(f"unsupported architecture {arch!r} (supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES + ('qwen35', 'qwen35moe'))})")
 
     def key(name, default=None, hi=MAX_WIDTH):
         return meta_int(meta, f"{arch}.{name}", default, 1, hi)
@@ -241,6 +242,16 @@ def moe_mlp(f, layer: int, stats: ExpertLoadStats, moe: MoEConfig):
     return SparseMoE(layer, router, Experts(gates, ups, downs), moe, stats)
 
 
+def model_from_file(meta: dict[str, Any], f: GGUFModelFile):
+    """(config, decoder) of the file's architecture: Qwen3.5's hybrid decoder or the Qwen3 family's."""
+    from .gguf_qwen35 import QWEN35_ARCHITECTURES, build_qwen35, qwen35_config
+    if meta.get("general.architecture") in QWEN35_ARCHITECTURES:
+        q35 = qwen35_config(meta, f.tensors)
+        return q35, build_qwen35(q35, f, meta)
+    cfg = config_from_metadata(meta, f)
+    return cfg, build_model(cfg, f, meta)
+
+
 def default_sampling(meta: dict[str, Any]) -> dict:
     out = {}
     for k, name in SAMPLING_KEYS.items():
@@ -265,8 +276,7 @@ def read_gguf(path: str, options: LoadOptions, phases: Phases | None = None) -> 
         meta = read_metadata(reader)
         phases.mark("model file")
         f = GGUFModelFile(reader)
-        cfg = config_from_metadata(meta, f)
-        model = build_model(cfg, f, meta)
+        cfg, model = model_from_file(meta, f)
         phases.mark("weights")
         with GIL_BOUND.section("tokenizer"):  # the tokenizers library holds the GIL while it builds the BPE
             tokenizer = build_tokenizer(meta)

@@ -8,8 +8,9 @@ Policies:
 - The tensor set is the architecture's, complete and nothing else: every tensor the decoder reads is present
   with the GGUF shape (ne0 first) the hyper-parameters give, 1-D tensors are F32 or F16, optional groups
   (q/k norms, q/k/v biases) are in every layer or in none, and a tensor no part of the model reads is refused
-  (llama.cpp refuses such files too: "wrong number of tensors"). The container's own checks (bounds, overlap,
-  alignment) are gguf_file.py's.
+  (llama.cpp refuses such files too: "wrong number of tensors"), except a part the architecture declares unread
+  (Qwen3.5's multi-token-prediction block). Shapes compare as ggml's ne, trailing 1s dropped ([64, 1] is [64]).
+  The container's own checks (bounds, overlap, alignment) are gguf_file.py's.
 - The bounds are generous limits on what the engine can hold, not guesses about published models: they only
   keep a crafted header from asking for absurd allocations before a tensor's bytes are looked at.
 """
@@ -24,6 +25,7 @@ from .names import (
     EXPERT_PROJECTIONS,
     LAYER_TENSORS,
     MODEL_TENSORS,
+    QWEN35_TENSORS,
     gguf_experts,
     gguf_layer,
     gguf_model,
@@ -108,22 +110,36 @@ def check_tensors(path_tensors: dict, cfg, moe=None, heads: frozenset[str] = fro
     `heads` the file's kind reads, such as a reranker's cls.output.weight), each of the shape the config gives.
     Returns the sparse (mixture-of-experts) layers."""
     sparse = {i for i in range(cfg.num_hidden_layers) if gguf_layer(i, "router") in path_tensors} if moe else set()
-    want = expected_shapes(cfg, moe, sparse, cfg.qk_norm, cfg.attention_bias)
+    check_tensor_set(path_tensors, expected_shapes(cfg, moe, sparse, cfg.qk_norm, cfg.attention_bias), heads)
+    return sparse
+
+
+def ne(shape) -> tuple[int, ...]:
+    """A GGUF shape without trailing 1s (ggml pads ne with 1s: [64, 1] is the vector [64])."""
+    dims = [int(n) for n in shape]
+    while len(dims) > 1 and dims[-1] == 1:
+        dims.pop()
+    return tuple(dims)
+
+
+def check_tensor_set(path_tensors: dict, want: dict[str, tuple[int, ...]], heads: frozenset[str] = frozenset(),
+                     unread: tuple[str, ...] = ()) -> None:
+    """The file's tensors are `want` (name -> GGUF shape, ne0 first), plus `heads`, plus any whose name starts
+    with one of `unread` (a part the file carries that this engine does not run, e.g. Qwen3.5's MTP block)."""
     for name, shape in want.items():
         t = path_tensors.get(name)
         if t is None:
             raise ValueError(f"tensor {name} is missing")
-        got = tuple(int(n) for n in t.shape)
-        if got != shape:
+        got = ne(t.shape)
+        if got != ne(shape):
             raise ValueError(f"tensor {name} has shape {list(got)}; the model's hyper-parameters give {list(shape)}")
-        if len(shape) == 1 and t.tensor_type not in VECTOR_TYPES:
+        if len(ne(shape)) == 1 and t.tensor_type not in VECTOR_TYPES:
             raise ValueError(f"tensor {name} has type {t.tensor_type.name}; a 1-D tensor must be F32 or F16")
-    extra = sorted(set(path_tensors) - set(want) - heads)
+    extra = sorted(n for n in set(path_tensors) - set(want) - heads if not n.startswith(unread))
     if extra:
         known = [v[1] for v in LAYER_TENSORS.values()] + [v[1] for v in MODEL_TENSORS.values()] \
-            + [f"ffn_{p}_exps.weight" for p in EXPERT_PROJECTIONS]
+            + [v[1] for v in QWEN35_TENSORS.values()] + [f"ffn_{p}_exps.weight" for p in EXPERT_PROJECTIONS]
         tail = extra[0].split(".", 2)[-1] if extra[0].startswith("blk.") else extra[0]
         why = "not used by this model's layers (inconsistent with its metadata)" if tail in known \
             else "not a tensor of this architecture"
         raise ValueError(f"tensor {extra[0]} is {why}" + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
-    return sparse

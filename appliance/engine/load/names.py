@@ -30,6 +30,26 @@ LAYER_TENSORS = {
 MODEL_TENSORS = {"embed": ("embed_tokens.weight", "token_embd.weight"), "norm": ("norm.weight", "output_norm.weight"),
                  "lm_head": ("lm_head.weight", "output.weight")}
 EXPERT_PROJECTIONS = ("gate", "up", "down")
+# Qwen3.5 (llama.cpp's qwen35 / qwen35moe): role -> (Hugging Face name under `{prefix}layers.N.`, GGUF name under
+# `blk.N.`) for what the Qwen3 table lacks or names otherwise. The full-attention layers' q/k/v/o and q/k norms and
+# the dense MLP are the Qwen3 roles above; the post-attention norm is `post_attention_norm` here, not `ffn_norm`.
+# The converter stores ssm_a = -exp(A_log) and reorders the value heads (gguf_qwen35.py undoes both).
+QWEN35_TENSORS = {
+    "mlp_norm": ("post_attention_layernorm.weight", "post_attention_norm.weight"),
+    "qkv": ("linear_attn.in_proj_qkv.weight", "attn_qkv.weight"),
+    "z": ("linear_attn.in_proj_z.weight", "attn_gate.weight"),
+    "b": ("linear_attn.in_proj_b.weight", "ssm_beta.weight"),
+    "a": ("linear_attn.in_proj_a.weight", "ssm_alpha.weight"),
+    "conv": ("linear_attn.conv1d.weight", "ssm_conv1d.weight"),
+    "A": ("linear_attn.A_log", "ssm_a"),
+    "dt_bias": ("linear_attn.dt_bias", "ssm_dt.bias"),
+    "linear_norm": ("linear_attn.norm.weight", "ssm_norm.weight"),
+    "linear_out": ("linear_attn.out_proj.weight", "ssm_out.weight"),
+    "shared_gate": ("mlp.shared_expert_gate.weight", "ffn_gate_inp_shexp.weight"),
+    "shared_gate_proj": ("mlp.shared_expert.gate_proj.weight", "ffn_gate_shexp.weight"),
+    "shared_up": ("mlp.shared_expert.up_proj.weight", "ffn_up_shexp.weight"),
+    "shared_down": ("mlp.shared_expert.down_proj.weight", "ffn_down_shexp.weight"),
+}
 
 
 @dataclass(frozen=True)
@@ -54,6 +74,11 @@ class HFNames:
 
 def gguf_layer(i: int, role: str) -> str:
     return f"blk.{i}.{LAYER_TENSORS[role][1]}"
+
+
+def gguf_qwen35(i: int, role: str) -> str:
+    """A Qwen3.5 layer tensor's GGUF name: its own roles (QWEN35_TENSORS) first, then the Qwen3 ones."""
+    return f"blk.{i}.{QWEN35_TENSORS[role][1]}" if role in QWEN35_TENSORS else gguf_layer(i, role)
 
 
 def gguf_model(role: str) -> str:
