@@ -92,6 +92,21 @@ def tiny_qwen3_5_moe(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def qwen3_5_gguf(tmp_path_factory) -> dict[str, str]:
+    """Qwen3.5 dense, 8 layers (3 linear, 1 full) x 2: {"hf": checkpoint, "f32"/"f16": llama.cpp's converter's
+    qwen35 files of it} (tests/support/qwen3_5_gguf.py)."""
+    from tests.support.qwen3_5_gguf import build_files
+    return build_files(str(tmp_path_factory.mktemp("qwen3_5-gguf")), moe=False)
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_moe_gguf(tmp_path_factory) -> dict[str, str]:
+    """Qwen3.5 MoE (top-2 of 8 plus the shared expert, tied embeddings), the same layers: {"hf", "f32", "f16"}."""
+    from tests.support.qwen3_5_gguf import build_files
+    return build_files(str(tmp_path_factory.mktemp("qwen3_5-moe-gguf")), moe=True)
+
+
+@pytest.fixture(scope="session")
 def scripted_qwen3(tmp_path_factory) -> str:
     """A tiny Qwen3 whose greedy output is scripted: thinks, then calls get_weather (thinking on), or answers
     " Sunny in Paris today." (thinking off). See tests/support/scripted_model.py."""
