@@ -24,9 +24,9 @@ LOGPROB_BOUND = {"f32": 2e-3, "f16": 6e-3}
 # matmul kernels (the directory's BF16 in place, the file's F32 / F16), over 8 layers of random weights (measured:
 # 3.6e-5 dense, 2.8e-4 MoE, whose routing amplifies the kernels' differences)
 FILE_BOUND = 5e-4
-# llama.cpp on the same f32/f16 file, teacher-forced one token at a time: its F16 matmuls round activations to
-# f16 (ours keep f32), so logits differ by a few thousandths of their range
-PEER_BOUND = 1e-2
+# llama.cpp on the same f32 file, teacher-forced one token at a time: max |logit diff| / max |logit| (measured:
+# 1.2e-4 dense; 4.5e-3 MoE, where llama.cpp is 40x farther from transformers than we are: 4.3e-2 vs 1.1e-3 abs)
+PEER_BOUND = {"dense": 1e-3, "moe": 1e-2}
 
 
 @pytest.fixture(params=["dense", "moe"])
@@ -136,7 +136,7 @@ def test_a_file_with_the_mtp_block_loads_to_the_same_model(mtp_files, name):
     np.testing.assert_array_equal(logits(with_mtp, PROMPT), logits(without, PROMPT))
 
 
-def test_metadata_llama_cpp_would_read_otherwise_is_refused(qwen3_5_gguf, tmp_path):
+def test_metadata_that_does_not_fit_is_refused(qwen3_5_gguf, tmp_path):
     r = open_gguf(qwen3_5_gguf["f32"])
     meta, tensors = read_metadata(r), {t.name: t for t in r.tensors}
     assert qwen35_config(meta, tensors).layer_types == (LINEAR, LINEAR, LINEAR, FULL) * 2
@@ -146,7 +146,7 @@ def test_metadata_llama_cpp_would_read_otherwise_is_refused(qwen3_5_gguf, tmp_pa
            ({"qwen35.ssm.inner_size": 50}, "value heads"),
            ({"qwen35.rope.dimension_count": 7}, "rotary"),
            ({"qwen35.rope.scaling.type": "yarn"}, "rope scaling"),
-           ({"qwen35.nextn_predict_layers": 1}, "multi-token-prediction")]
+           ({"qwen35.nextn_predict_layers": 2}, "multi-token-prediction")]
     for change, message in bad:
         with pytest.raises(ValueError, match=message):
             qwen35_config({**meta, **change}, tensors)
@@ -171,18 +171,31 @@ def test_the_tensor_set_is_checked(qwen3_5_gguf):
         build_qwen35(cfg, f, meta)
 
 
-@pytest.mark.parametrize("kind", ["f32", "f16"])
-def test_llama_cpp_agrees_on_the_same_file(peer, files, kind):
-    path = files[kind]
-    ours = logits(path, PROMPT)
-    with peer.LlamaCppPeer(path, n_threads=2) as p:
-        theirs = np.array(p.logits(PROMPT), dtype=np.float32)  # (T, vocab)
-        greedy = p.greedy(PROMPT, 12)
-    loaded = load_model(path, context_length=256)
-    events = list(loaded.engine.generate(GenerationRequest(PROMPT, GREEDY, max_tokens=12, ignore_eos=True)))
-    d = float(np.max(np.abs(log_softmax(ours) - log_softmax(theirs))))
-    print(f"{path.rsplit('/', 1)[-1]} vs llama.cpp: max |logit diff| {np.max(np.abs(ours - theirs)):.2e} "
-          f"(rel {rel(ours, theirs):.2e}), max |logprob diff| {d:.2e}")
-    assert theirs.shape == ours.shape
-    assert rel(ours, theirs) <= PEER_BOUND
-    assert [e.token_id for e in events[:-1]] == greedy
+def test_llama_cpp_agrees_on_the_same_file(peer, files):
+    """llama.cpp's logits (teacher-forced, one token at a time) and greedy tokens on the f32 and f16 files."""
+    theirs, ours, greedy = {}, {}, {}
+    for kind in ("f32", "f16"):
+        with peer.LlamaCppPeer(files[kind], n_threads=2) as p:
+            theirs[kind] = np.array(p.logits(PROMPT), dtype=np.float32)  # (T, vocab)
+            greedy[kind] = p.greedy(PROMPT, 12)
+        ours[kind] = logits(files[kind], PROMPT)
+        assert theirs[kind].shape == ours[kind].shape
+        d = float(np.max(np.abs(log_softmax(ours[kind]) - log_softmax(theirs[kind]))))
+        print(f"{files[kind].rsplit('/', 1)[-1]} vs llama.cpp: max |logit diff| "
+              f"{np.max(np.abs(ours[kind] - theirs[kind])):.2e} (rel {rel(ours[kind], theirs[kind]):.2e}), "
+              f"max |logprob diff| {d:.2e}")
+    with torch.no_grad():
+        ref = reference(files["hf"])(torch.tensor([PROMPT])).logits[0].numpy()
+    own = rel(theirs["f16"], theirs["f32"])
+    print(f"llama.cpp f16 vs its own f32: rel {own:.2e}; f32 vs transformers: llama.cpp rel "
+          f"{rel(theirs['f32'], ref):.2e}, ours {rel(ours['f32'], ref):.2e}")
+    moe = "moe" in files["f32"].rsplit("/", 1)[-1]
+    assert rel(ours["f32"], theirs["f32"]) <= PEER_BOUND["moe" if moe else "dense"]
+    assert rel(ours["f32"], ref) <= rel(theirs["f32"], ref)  # where we differ, llama.cpp is the farther one
+    # f16: llama.cpp rounds the activations to f16 for its F16 matmuls (ours stay f32): it is as far from its own
+    # f32 logits as from ours
+    assert rel(ours["f16"], theirs["f16"]) <= 1.25 * own + PEER_BOUND["dense"]
+    for kind in ("f32", "f16"):
+        loaded = load_model(files[kind], context_length=256)
+        events = list(loaded.engine.generate(GenerationRequest(PROMPT, GREEDY, max_tokens=12, ignore_eos=True)))
+        assert [e.token_id for e in events[:-1]] == greedy["f32"], kind  # (llama.cpp's f16 run may leave them)
