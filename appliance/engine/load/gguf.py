@@ -35,7 +35,6 @@ from appliance.native.qtypes import QType
 
 from .. import qwen3
 from ..config import Qwen3Config
-from ..quant_weights import QuantWeight
 from ..qwen3_moe import ExpertLoadStats, Experts, MoEConfig, SparseMoE
 from ..weights import DenseWeight
 from . import Checkpoint, LoadOptions, MismatchedPair, ModelFileError, UnsafeTemplate, UnsupportedTensorType
@@ -47,13 +46,16 @@ from .gguf_check import (
     MAX_VOCAB,
     MAX_WIDTH,
     check_tensors,
+    f32_value,
     meta_float,
     meta_int,
     meta_list,
     meta_str,
 )
 from .gguf_file import GGUFFile
+from .gguf_qwen35 import QWEN35_ARCHITECTURES, build_qwen35, qwen35_config
 from .gguf_vl import NO_MMPROJ_HINT, VL_ARCHITECTURES, MmprojFile, find_mmproj, qwen3_vl_from_pair
+from .gguf_weights import GGUFModelFile, expert_slices
 from .names import EXPERT_PROJECTIONS, gguf_experts, gguf_layer, gguf_model
 from .phases import Phases
 
@@ -86,53 +88,6 @@ def unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
     hd = n_rows // n_head
     idx = np.arange(n_rows).reshape(n_head, hd // 2, 2)  # gguf row of (head, pair p, half s)
     return idx.transpose(0, 2, 1).reshape(n_rows)  # hf row h*hd + s*hd/2 + p <- gguf row h*hd + 2p + s
-
-
-class GGUFModelFile:
-    """The tensors of one GGUF file by name, wrapped as the decoder's weight objects."""
-
-    def __init__(self, reader):
-        self.tensors = {t.name: t for t in reader.tensors}
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.tensors
-
-    def vector(self, name: str) -> np.ndarray:
-        t = self.tensors[name]
-        if t.tensor_type.name not in ("F32", "F16"):
-            raise ValueError(f"tensor {name} has type {t.tensor_type.name}; a 1-D tensor must be F32 or F16")
-        return np.asarray(t.data, dtype=np.float32).reshape(-1)  # (n,)
-
-    def matrix(self, name: str, row_order: np.ndarray | None = None):
-        """A linear/embedding weight of numpy shape (out, in); row_order reorders rows (at load, quantized)."""
-        t = self.tensors[name]
-        served_type(t)
-        shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists ne0 (the row length) first
-        if len(shape) != 2:
-            raise ValueError(f"tensor {name} has {len(shape)} dimensions; expected a matrix")
-        data = t.data
-        if t.tensor_type.name == "F32":
-            w = np.asarray(data, dtype=np.float32).reshape(shape)  # (out, in): zero-copy mmap view
-            return DenseWeight(w if row_order is None else np.ascontiguousarray(w[row_order]))
-        raw = data.view(np.uint8).reshape(shape[0], -1)  # (out, bytes_per_row)
-        if row_order is not None:
-            raw = np.ascontiguousarray(raw[row_order])
-        return QuantWeight(t.tensor_type, shape, raw)
-
-
-def served_type(tensor) -> QType:
-    """The weight's QType; UnsupportedTensorType (naming the tensor and its type) when no kernel serves it."""
-    try:
-        return QType(int(tensor.tensor_type))
-    except ValueError:
-        raise UnsupportedTensorType(
-            f"tensor {tensor.name} has type {tensor.tensor_type.name}, which is not served (served types: "
-            f"{', '.join(t.name for t in QType)})") from None
-
-
-def f32_value(v) -> float:
-    """A float32 metadata value as the decimal it was written from (1e-06, not 9.99999997e-07)."""
-    return float(f"{float(v):.7g}")
 
 
 def config_from_metadata(meta: dict[str, Any], f: GGUFModelFile) -> Qwen3Config:
@@ -221,17 +176,6 @@ def moe_config_from_metadata(meta: dict, arch: str) -> MoEConfig:
                      norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)))
 
 
-def expert_slices(tensor) -> list:
-    """One (out, in) weight per expert of a stacked GGUF tensor, sharing the mapped bytes."""
-    served_type(tensor)
-    n_in, n_out, n_exp = (int(n) for n in tensor.shape)  # GGUF order: ne0 (row length) first
-    data = tensor.data  # (E, out, in) float32 or (E, out, row_bytes) uint8
-    if tensor.tensor_type.name == "F32":
-        return [DenseWeight(np.asarray(data[e], dtype=np.float32).reshape(n_out, n_in)) for e in range(n_exp)]
-    raw = data.view(np.uint8).reshape(n_exp, n_out, -1)
-    return [QuantWeight(tensor.tensor_type, (n_out, n_in), raw[e], repack=False) for e in range(n_exp)]
-
-
 def moe_mlp(f, layer: int, stats: ExpertLoadStats, moe: MoEConfig):
     """The MLP of layer `layer`: SparseMoE if the layer has a router, None to let the caller build a dense one."""
     if gguf_layer(layer, "router") not in f:
@@ -244,7 +188,6 @@ def moe_mlp(f, layer: int, stats: ExpertLoadStats, moe: MoEConfig):
 
 def model_from_file(meta: dict[str, Any], f: GGUFModelFile):
     """(config, decoder) of the file's architecture: Qwen3.5's hybrid decoder or the Qwen3 family's."""
-    from .gguf_qwen35 import QWEN35_ARCHITECTURES, build_qwen35, qwen35_config
     if meta.get("general.architecture") in QWEN35_ARCHITECTURES:
         q35 = qwen35_config(meta, f.tensors)
         return q35, build_qwen35(q35, f, meta)
@@ -307,7 +250,9 @@ def with_vision(path: str, cfg: Qwen3Config, text, meta: dict[str, Any], tokeniz
     (and the hint a refused image part gets); other architectures refuse --mmproj."""
     if cfg.model_type not in VL_ARCHITECTURES:
         if options.mmproj:
-            raise ValueError(f"--mmproj goes with a Qwen3-VL text model; this one is {cfg.model_type!r}")
+            later = " (a Qwen3.5 file loads text only: its vision projector is not served yet)" \
+                if cfg.model_type in ("qwen35", "qwen35moe") else ""
+            raise ValueError(f"--mmproj goes with a Qwen3-VL text model; this one is {cfg.model_type!r}{later}")
         return text, ""
     mmproj = find_mmproj(path, options.mmproj)
     if mmproj is None:

@@ -61,6 +61,11 @@ def meta_float(meta: dict[str, Any], key: str, default: float, lo: float, hi: fl
     return float(v)
 
 
+def f32_value(v) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-06, not 9.99999997e-07)."""
+    return float(f"{float(v):.7g}")
+
+
 def meta_str(meta: dict[str, Any], key: str, default: str | None = None) -> str | None:
     v = meta.get(key, default)
     if v is not None and not isinstance(v, str):

@@ -21,7 +21,7 @@ Policies:
   matrices stay as mapped (quantized, zero-copy) and their outputs (qkv, z, b, a) or input (out) are taken
   through the permutation on each call (HeadOrder): a gather of one activation row per token, never a copy of
   a weight.
-- MoE (`qwen35moe`): the routed experts are zero-copy slices of the stacked tensors (gguf.expert_slices), the
+- MoE (`qwen35moe`): the routed experts are zero-copy slices of the stacked tensors (gguf_weights.expert_slices), the
   router always renormalises its top-k (llama.cpp's MoE graph for this architecture does), and the shared expert
   sits behind its sigmoid gate (ffn_gate_inp_shexp, ne [hidden] or [hidden, 1]).
 """
@@ -35,7 +35,6 @@ from .. import qwen3
 from ..qwen3_5 import FULL, LINEAR, GatedAttention, GatedDeltaNet, Layer, Qwen35Config, Qwen35Model, SharedExpertMoE
 from ..qwen3_moe import ExpertLoadStats, Experts, MoEConfig, SparseMoE
 from ..weights import DenseWeight
-from .gguf import expert_slices, f32_value
 from .gguf_check import (
     MAX_CONTEXT,
     MAX_EXPERTS,
@@ -44,11 +43,13 @@ from .gguf_check import (
     MAX_VOCAB,
     MAX_WIDTH,
     check_tensor_set,
+    f32_value,
     meta_float,
     meta_int,
     meta_list,
     meta_str,
 )
+from .gguf_weights import expert_slices
 from .names import EXPERT_PROJECTIONS, gguf_experts, gguf_model, gguf_qwen35
 
 QWEN35_ARCHITECTURES = ("qwen35", "qwen35moe")
@@ -169,7 +170,7 @@ class HeadOrder:
 
 
 def build_qwen35(cfg: Qwen35Config, f, meta: dict[str, Any]) -> Qwen35Model:
-    """The decoder over the GGUF tensors of `f` (gguf.GGUFModelFile), once the tensor set and its shapes are
+    """The decoder over the GGUF tensors of `f` (gguf_weights.GGUFModelFile), once the tensor set and its shapes are
     checked against the config (before any tensor is wrapped)."""
     mtp = tuple(f"blk.{i}." for i in range(cfg.num_hidden_layers, meta_int(meta, f"{cfg.model_type}.block_count")))
     check_tensor_set(f.tensors, expected_shapes(cfg), unread=mtp)
