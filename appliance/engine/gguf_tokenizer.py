@@ -4,7 +4,8 @@ Policies:
 - Only byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) are built: SmolLM2, Qwen2/2.5/3 and
   Llama 3 all use it. SentencePiece (`llama`) and other models are refused with a clear error, never guessed.
 - Text is split before BPE the way the vocabulary was trained, chosen by `tokenizer.ggml.pre` (the same
-  names llama.cpp uses): `qwen2` (its regex, NFC first as Qwen's own tokenizer.json does), `llama-bpe`
+  names llama.cpp uses): `qwen2` (its regex, NFC first as Qwen's own tokenizer.json does), `qwen35` (Qwen3.5's
+  regex: letters keep their combining marks; no NFC, as llama.cpp's own tokenizer test for it expects), `llama-bpe`
   (Llama 3's regex, digits in runs of up to three), `smollm` (every digit alone, then GPT-2's regex),
   `gpt2`/`default` (GPT-2's regex). An unknown name is refused: a wrong split silently changes token ids.
 - Token types follow llama.cpp: CONTROL tokens (<|im_start|>, <|endoftext|>) are added special tokens,
@@ -25,6 +26,9 @@ from .tokenizer import Tokenizer
 
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3.5's 248K vocabulary: letters take their combining marks (\p{M}) along
+QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
@@ -56,6 +60,7 @@ def _smollm() -> pre_tokenizers.PreTokenizer:
 PRE_TOKENIZERS: dict[str, tuple[Callable[[], pre_tokenizers.PreTokenizer], bool]] = {
     "qwen2": (lambda: _split_then_bytes(QWEN2_SPLIT), True),
     "deepseek-r1-qwen": (lambda: _split_then_bytes(QWEN2_SPLIT), True),
+    "qwen35": (lambda: _split_then_bytes(QWEN35_SPLIT), False),
     "llama-bpe": (lambda: _split_then_bytes(LLAMA3_SPLIT), False),
     "llama3": (lambda: _split_then_bytes(LLAMA3_SPLIT), False),
     "smollm": (_smollm, False),

@@ -154,6 +154,25 @@ def test_metadata_that_does_not_fit_is_refused(qwen3_5_gguf, tmp_path):
         load_model(qwen3_5_gguf["f32"], mmproj=str(tmp_path / "mmproj.gguf"))
 
 
+def test_qwen35_pre_tokenizer_matches_llama_cpps_tokenizer_test():
+    """llama.cpp's vocabulary file for the `qwen35` pre-tokenizer and its tokenizer test (texts, expected ids)."""
+    from appliance.engine.gguf_tokenizer import build_tokenizer
+    from tests.support.llama_convert import llama_cpp_file
+
+    path = "models/ggml-vocab-qwen35.gguf"
+    vocab = llama_cpp_file(path)
+    meta = read_metadata(open_gguf(vocab))
+    assert meta["tokenizer.ggml.pre"] == "qwen35"
+    tok = build_tokenizer(meta)
+    with open(llama_cpp_file(path + ".inp"), encoding="utf-8") as f:
+        texts = f.read().split("\n__ggml_vocab_test__\n")
+    with open(llama_cpp_file(path + ".out"), encoding="utf-8") as f:
+        ids = [[int(x) for x in line.split()] for line in f.read().split("\n")]
+    assert len(texts) > 40 and any("\u0301" in t for t in texts)  # decomposed accents among them
+    for text, want in zip(texts, ids):
+        assert tok.encode(text) == want, text
+
+
 def test_the_tensor_set_is_checked(qwen3_5_gguf):
     from appliance.engine.load.gguf import GGUFModelFile
     from appliance.engine.load.gguf_qwen35 import build_qwen35

