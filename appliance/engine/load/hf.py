@@ -367,27 +367,26 @@ def build_qwen3_5(st: SafeTensors, cfg_dict: dict, options: LoadOptions = LoadOp
     def mlp(i: int):
         if moe is None:
             return qwen3.SwiGLU(*(dense_weight(st, names.layer(i, r)) for r in ("gate", "up", "down")))
-        sp = f"{p}layers.{i}.mlp."
-        routed = SparseMoE(i, st.float32(sp + "gate.weight"), hf_experts(st, names, i, moe.num_experts), moe, stats)
-        shared = qwen3.SwiGLU(*(dense_weight(st, f"{sp}shared_expert.{r}_proj.weight") for r in ("gate", "up", "down")))
-        return SharedExpertMoE(routed, shared, st.float32(sp + "shared_expert_gate.weight"))
+        q = names.qwen35
+        routed = SparseMoE(i, st.float32(q(i, "router")), hf_experts(st, names, i, moe.num_experts), moe, stats)
+        shared = qwen3.SwiGLU(*(dense_weight(st, q(i, r)) for r in ("shared_gate_proj", "shared_up", "shared_down")))
+        return SharedExpertMoE(routed, shared, st.float32(q(i, "shared_gate")))
 
     layers = []
     for i, kind in enumerate(cfg.layer_types):
-        lp = f"{p}layers.{i}."
         if kind == FULL:
             q, k, v, o = (dense_weight(st, names.layer(i, r)) for r in ("q", "k", "v", "o"))
             mixer: GatedAttention | GatedDeltaNet = GatedAttention(
                 q, k, v, o, q_norm=norm(names.layer(i, "q_norm")), k_norm=norm(names.layer(i, "k_norm")))
         else:
-            a = lp + "linear_attn."
-            conv = st.float32(a + "conv1d.weight")
+            n = names.qwen35
+            conv = st.float32(n(i, "conv"))
             mixer = GatedDeltaNet(
-                qkv=dense_weight(st, a + "in_proj_qkv.weight"), z=dense_weight(st, a + "in_proj_z.weight"),
-                b=dense_weight(st, a + "in_proj_b.weight"), a=dense_weight(st, a + "in_proj_a.weight"),
+                qkv=dense_weight(st, n(i, "qkv")), z=dense_weight(st, n(i, "z")),
+                b=dense_weight(st, n(i, "b")), a=dense_weight(st, n(i, "a")),
                 conv=np.ascontiguousarray(conv.reshape(conv.shape[0], conv.shape[-1])),  # (conv_dim, K)
-                A_log=st.float32(a + "A_log"), dt_bias=st.float32(a + "dt_bias"),
-                norm=st.float32(a + "norm.weight"), out=dense_weight(st, a + "out_proj.weight"))
+                A_log=st.float32(n(i, "A")), dt_bias=st.float32(n(i, "dt_bias")),
+                norm=st.float32(n(i, "linear_norm")), out=dense_weight(st, n(i, "linear_out")))
             if mixer.conv.shape != (cfg.conv_dim, cfg.linear_conv_kernel_dim):
                 raise ValueError(f"layer {i}: conv1d weight {conv.shape} does not match the config")
         layers.append(HybridLayer(norm(names.layer(i, "attn_norm")), mixer, norm(names.layer(i, "mlp_norm")), mlp(i)))

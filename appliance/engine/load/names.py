@@ -63,6 +63,11 @@ class HFNames:
     def model(self, role: str) -> str:
         return MODEL_TENSORS[role][0] if role == "lm_head" else self.prefix + MODEL_TENSORS[role][0]
 
+    def qwen35(self, i: int, role: str) -> str:
+        """A Qwen3.5 layer tensor: its own roles (QWEN35_TENSORS) first, then the Qwen3 ones."""
+        table = QWEN35_TENSORS if role in QWEN35_TENSORS else LAYER_TENSORS
+        return f"{self.prefix}layers.{i}.{table[role][0]}"
+
     def expert(self, i: int, j: int, proj: str) -> str:
         """Expert j's own tensor (the published per-expert layout)."""
         return f"{self.prefix}layers.{i}.mlp.experts.{j}.{proj}_proj.weight"
