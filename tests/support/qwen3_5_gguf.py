@@ -18,14 +18,16 @@ from tests.support.llama_convert import convert_hf
 SHAPE = dict(layers=8, interval=4, linear_dims=(16, 16))
 
 
-def build_files(out_dir: str, moe: bool, types: tuple[str, ...] = ("f32", "f16")) -> dict[str, str]:
-    """{"hf": checkpoint directory, type: GGUF path} for a dense (seed 16) or MoE (seed 17, tied) checkpoint."""
+def build_files(out_dir: str, moe: bool, types: tuple[str, ...] = ("f32", "f16"), init_std: float = 0.2) -> dict[str, str]:
+    """{"hf": checkpoint directory, type: GGUF path} for a dense (seed 16) or MoE (seed 17, tied) checkpoint.
+    init_std: the weights' scale (0.2 gives varied outputs but amplifies an 8-bit rounding of the weights to
+    whole-logit changes; 0.05 keeps a quantized file's top choices where the float model has them)."""
     os.makedirs(out_dir, exist_ok=True)
     hf = os.path.join(out_dir, "hf")
     if moe:
-        tiny_models.build_qwen3_5(hf, moe=True, tie=True, seed=17, **SHAPE)
+        tiny_models.build_qwen3_5(hf, moe=True, tie=True, seed=17, init_std=init_std, **SHAPE)
     else:
-        tiny_models.build_qwen3_5(hf, seed=16, **SHAPE)
+        tiny_models.build_qwen3_5(hf, seed=16, init_std=init_std, **SHAPE)
     files = {"hf": hf}
     for t in types:
         files[t] = convert_hf(hf, os.path.join(out_dir, f"{'moe' if moe else 'dense'}-{t}.gguf"), t, extra=("--no-mtp",))
