@@ -106,7 +106,7 @@ def test_greedy_tokens_match_transformers(files):
         out = reference(files["hf"]).generate(torch.tensor([PROMPT]), max_new_tokens=24, min_new_tokens=24,
                                               do_sample=False)
     want = out[0, len(PROMPT):].tolist()
-    for path in (files["hf"], files["f16"]):
+    for path in (files["hf"], files["f32"], files["f16"]):
         loaded = load_model(path, context_length=256, prefill_chunk=5)
         events = list(loaded.engine.generate(GenerationRequest(PROMPT, GREEDY, max_tokens=24, ignore_eos=True)))
         assert [e.token_id for e in events[:-1]] == want, path
