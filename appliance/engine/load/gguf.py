@@ -95,7 +95,7 @@ def config_from_metadata(meta: dict[str, Any], f: GGUFModelFile) -> Qwen3Config:
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch!r} (supported: "
-                         f"{', '.join(SUPPORTED_ARCHITECTURES + ('qwen35', 'qwen35moe'))})")
+                         f"{', '.join(SUPPORTED_ARCHITECTURES + QWEN35_ARCHITECTURES)})")
 
     def key(name, default=None, hi=MAX_WIDTH):
         return meta_int(meta, f"{arch}.{name}", default, 1, hi)
@@ -251,7 +251,7 @@ def with_vision(path: str, cfg: Qwen3Config, text, meta: dict[str, Any], tokeniz
     if cfg.model_type not in VL_ARCHITECTURES:
         if options.mmproj:
             later = " (a Qwen3.5 file loads text only: its vision projector is not served yet)" \
-                if cfg.model_type in ("qwen35", "qwen35moe") else ""
+                if cfg.model_type in QWEN35_ARCHITECTURES else ""
             raise ValueError(f"--mmproj goes with a Qwen3-VL text model; this one is {cfg.model_type!r}{later}")
         return text, ""
     mmproj = find_mmproj(path, options.mmproj)
