@@ -31,7 +31,6 @@ from typing import Any
 import numpy as np
 
 from appliance.native.busy_responder import GIL_BOUND
-from appliance.native.qtypes import QType
 
 from .. import qwen3
 from ..config import Qwen3Config
