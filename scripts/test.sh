@@ -11,8 +11,10 @@ sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
 # (tests/system/test_image_install.py installs into an arm64 root file system and runs systemd-analyze verify),
 # chromium (tests/system/test_web_chat.py drives the chat page in it with playwright).
 # The aarch64 executable's build (build/build_aarch64.sh, below) cross-compiles CPython with clang/lld here.
+# llvm-19 (llvm-mca with a Neoverse N1 = Cortex-A76 model) and the arm64 libstdc++ headers: the board's cost model
+# (bench/a76_model.py, tests/native/test_a76_model.py) compiles our kernels and llama.cpp's for the A76 and times them.
 packages="nginx gcc-aarch64-linux-gnu qemu-user-static binfmt-support debootstrap systemd chromium
-          clang lld binutils-aarch64-linux-gnu pkg-config python3.11 make"
+          clang lld binutils-aarch64-linux-gnu pkg-config python3.11 make llvm-19 libstdc++-12-dev-arm64-cross"
 missing=$(for p in $packages; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done)
 if [ -n "$missing" ]; then
     $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq $missing >/dev/null

@@ -1,0 +1,294 @@
+"""Off-board cost model of the RK3588 board: our NEON kernels and llama.cpp's, cycles per block on Cortex-A76 and
+Cortex-A55 (llvm-mca over the inner loops clang makes of them, bench/a76_mca.py), and the decode and prefill
+tok/s those cycles and the board's memory bandwidth predict per model shape.
+
+    python bench/a76_model.py [--quick] [--llama-src DIR] [--bw 20] [--ghz 2.4] [--cores 4]
+
+Policy:
+- Ours: the tile kernels of the dotprod level (matmul_neon.c, `*_neondot`), called by `flatten` wrappers with
+  the shape as constants: decode is one column (T = 1) of the row layout (what MoE experts and the types without
+  an x8 layout read) and of the x8 layout (dense Q8_0/Q4_0/Q4_K/Q6_K); prefill is one 4-column pass of the x8
+  kernels. llama.cpp (the peer's source distribution, bench/peer.py's version, unpacked once into
+  ~/.cache/kestrel-bench/llama-src): its in-place dot products (arch/arm/quants.c, `ggml_vec_dot_*`) and the
+  repacked ones (arch/arm/repack.cpp, `ggml_gemv_*` / `ggml_gemm_*`): on an A76 (dotprod, no i8mm) it repacks
+  Q4_0/Q8_0 to 4x4 and Q4_K/Q5_K/Q6_K to 8x4 for decode and prefill alike, so those are its board kernels.
+- Unit: cycles per 32 weights (per 32 weights x 1 column for prefill tiles), from cycles per iteration and the
+  iteration's multiply-adds (its sdot count x 16, checked against the tile's rows x columns x weights).
+- Board: 4 Cortex-A76 at 2.4 GHz (RK3588 datasheet clock) sharing an assumed 20 GB/s of read bandwidth (LPDDR4x
+  at 4224 MT/s on 64 bits is 33.8 GB/s peak; 20 GB/s is an assumption of what the A76 cluster sustains, not a
+  measurement). A matrix-vector product costs max(compute over the cores, weight bytes / bandwidth): llvm-mca
+  has no memory stalls, so the bound is added here, and nothing else (attention, norms, activation quantization,
+  thread sync) is counted: the figures are upper bounds of the weight products alone.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import a76_mca as mca  # a sibling file; bench/ is not a package
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OURS_SRC = os.path.join(ROOT, "appliance", "native", "src")
+OURS_FLAGS = ["-ffp-contract=off", "-fno-trapping-math"]  # appliance/native/build.py's CFLAGS beyond -O3
+PEER_VERSION = "0.3.36"  # bench/peer.py's PACKAGE
+BYTES_PER_WEIGHT = {"Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q4_K": 144 / 256, "Q5_K": 176 / 256, "Q6_K": 210 / 256,
+                    "IQ4_XS": 136 / 256}
+
+# our wrappers: name -> (C call with the shape as constants)
+_W32 = "(const uint8_t *w, size_t rb, int64_t nb, const void *a, float *o)"
+_X8 = "(const uint8_t *g, int64_t nb, const void *a, float *o)"
+OURS_CALLS = {
+    "dec_q8_0": (_W32, "q8_0_neondot(w, rb, 0, 4, nb, a, 0, 1, o, 4)"),
+    "dec_q4_0": (_W32, "q4_0_neondot(w, rb, 0, 4, nb, a, 0, 1, o, 4)"),
+    "dec_q4_K": (_W32, "q4_K_neondot(w, rb, 0, 4, nb, a, 0, 1, o, 4)"),
+    "dec_q5_K": (_W32, "q5_K_neondot(w, rb, 0, 4, nb, a, 0, 1, o, 4)"),
+    "dec_q6_K": (_W32, "q6_K_neondot(w, rb, 0, 4, nb, a, 0, 1, o, 4)"),
+    "dec_iq4_xs": (_W32, "iq4_xs_neondot(w, rb, 0, 4, nb, a, 0, 1, o, 4)"),
+    "x8dec_q8_0": (_X8, "x8_neondot(KQ_Q8_0, g, nb, a, 1, o, 8, 0, 8)"),
+    "x8dec_q4_0": (_X8, "x8_neondot(KQ_Q4_0, g, nb, a, 1, o, 8, 0, 8)"),
+    "x8dec_q4_K": (_X8, "x8k_neondot(g, nb, a, 1, o, 8, 0, 8)"),
+    "x8dec_q6_K": (_X8, "x8q6_neondot(g, nb, a, 1, o, 8, 0, 8)"),
+    "x8pre_q8_0": (_X8, "x8_neondot(KQ_Q8_0, g, nb, a, 4, o, 8, 0, 8)"),
+    "x8pre_q4_0": (_X8, "x8_neondot(KQ_Q4_0, g, nb, a, 4, o, 8, 0, 8)"),
+    "x8pre_q4_K": (_X8, "x8k_neondot(g, nb, a, 4, o, 8, 0, 8)"),
+    "x8pre_q6_K": (_X8, "x8q6_neondot(g, nb, a, 4, o, 8, 0, 8)"),
+}
+
+
+@dataclass(frozen=True)
+class Kernel:
+    side: str     # "ours" | "llama.cpp"
+    kind: str     # "decode" | "prefill"
+    qtype: str
+    layout: str   # how the weights are laid out for it
+    src: str      # "ours" | "quants.c" | "repack.cpp"
+    func: str
+    rows: int     # the work of one iteration of its inner loop: rows x cols x weights multiply-adds
+    cols: int
+    weights: int
+
+    @property
+    def macs(self) -> int:
+        return self.rows * self.cols * self.weights
+
+
+def _k(side, kind, q, layout, src, func, rows, cols, weights) -> Kernel:
+    return Kernel(side, kind, q, layout, src, func, rows, cols, weights)
+
+
+KERNELS = [
+    _k("ours", "decode", "Q8_0", "rows in place", "ours", "mca_dec_q8_0", 4, 1, 32),
+    _k("ours", "decode", "Q8_0", "x8", "ours", "mca_x8dec_q8_0", 8, 1, 32),
+    _k("llama.cpp", "decode", "Q8_0", "rows in place", "quants.c", "ggml_vec_dot_q8_0_q8_0", 1, 1, 64),
+    _k("llama.cpp", "decode", "Q8_0", "4x4 repack", "repack.cpp", "ggml_gemv_q8_0_4x4_q8_0", 4, 1, 32),
+    _k("ours", "decode", "Q4_0", "rows in place", "ours", "mca_dec_q4_0", 4, 1, 32),
+    _k("ours", "decode", "Q4_0", "x8", "ours", "mca_x8dec_q4_0", 8, 1, 32),
+    _k("llama.cpp", "decode", "Q4_0", "rows in place", "quants.c", "ggml_vec_dot_q4_0_q8_0", 1, 1, 64),
+    _k("llama.cpp", "decode", "Q4_0", "4x4 repack", "repack.cpp", "ggml_gemv_q4_0_4x4_q8_0", 4, 1, 32),
+    _k("ours", "decode", "Q4_K", "rows in place", "ours", "mca_dec_q4_K", 4, 1, 256),
+    _k("ours", "decode", "Q4_K", "x8", "ours", "mca_x8dec_q4_K", 8, 1, 256),
+    _k("llama.cpp", "decode", "Q4_K", "rows in place", "quants.c", "ggml_vec_dot_q4_K_q8_K", 1, 1, 256),
+    _k("llama.cpp", "decode", "Q4_K", "8x4 repack", "repack.cpp", "ggml_gemv_q4_K_8x4_q8_K", 8, 1, 256),
+    _k("ours", "decode", "Q6_K", "rows in place", "ours", "mca_dec_q6_K", 4, 1, 256),
+    _k("ours", "decode", "Q6_K", "x8", "ours", "mca_x8dec_q6_K", 8, 1, 256),
+    _k("llama.cpp", "decode", "Q6_K", "rows in place", "quants.c", "ggml_vec_dot_q6_K_q8_K", 1, 1, 256),
+    _k("llama.cpp", "decode", "Q6_K", "8x4 repack", "repack.cpp", "ggml_gemv_q6_K_8x4_q8_K", 8, 1, 256),
+    _k("ours", "decode", "Q5_K", "rows in place", "ours", "mca_dec_q5_K", 4, 1, 256),
+    _k("llama.cpp", "decode", "Q5_K", "rows in place", "quants.c", "ggml_vec_dot_q5_K_q8_K", 1, 1, 256),
+    _k("llama.cpp", "decode", "Q5_K", "8x4 repack", "repack.cpp", "ggml_gemv_q5_K_8x4_q8_K", 8, 1, 256),
+    _k("ours", "decode", "IQ4_XS", "rows in place", "ours", "mca_dec_iq4_xs", 4, 1, 256),
+    _k("llama.cpp", "decode", "IQ4_XS", "rows in place", "quants.c", "ggml_vec_dot_iq4_xs_q8_K", 1, 1, 256),
+    _k("ours", "prefill", "Q8_0", "x8, 4 columns", "ours", "mca_x8pre_q8_0", 8, 4, 32),
+    _k("llama.cpp", "prefill", "Q8_0", "4x4 repack, 4 columns", "repack.cpp", "ggml_gemm_q8_0_4x4_q8_0", 4, 4, 32),
+    _k("ours", "prefill", "Q4_0", "x8, 4 columns", "ours", "mca_x8pre_q4_0", 8, 4, 32),
+    _k("llama.cpp", "prefill", "Q4_0", "4x4 repack, 16 columns", "repack.cpp", "ggml_gemm_q4_0_4x4_q8_0", 4, 16, 32),
+    _k("ours", "prefill", "Q4_K", "x8, 4 columns", "ours", "mca_x8pre_q4_K", 8, 4, 256),
+    _k("llama.cpp", "prefill", "Q4_K", "8x4 repack, 4 columns", "repack.cpp", "ggml_gemm_q4_K_8x4_q8_K", 8, 4, 256),
+    _k("ours", "prefill", "Q6_K", "x8, 4 columns", "ours", "mca_x8pre_q6_K", 8, 4, 256),
+    _k("llama.cpp", "prefill", "Q6_K", "8x4 repack, 4 columns", "repack.cpp", "ggml_gemm_q6_K_8x4_q8_K", 8, 4, 256),
+]
+QUICK = {"mca_dec_q8_0", "mca_dec_q4_0", "mca_x8dec_q4_0", "mca_x8pre_q4_0"}
+
+
+def ours_harness(names) -> str:
+    lines = ['#include "matmul_neon.c"']
+    for n in names:
+        args, call = OURS_CALLS[n[len("mca_"):]]
+        lines.append(f"__attribute__((flatten)) void {n}{args} {{ {call}; }}")
+    return "\n".join(lines) + "\n"
+
+
+def llama_src(path: str | None = None, fetch: bool = True) -> str | None:
+    """The ggml/ directory of the peer's source distribution (downloaded and unpacked once), or None."""
+    if path:
+        return path
+    if os.environ.get("KESTREL_LLAMA_SRC"):
+        return os.environ["KESTREL_LLAMA_SRC"]
+    dest = os.path.expanduser(f"~/.cache/kestrel-bench/llama-src/{PEER_VERSION}")
+    ggml = os.path.join(dest, "ggml")
+    if os.path.exists(os.path.join(ggml, "src", "ggml-cpu", "arch", "arm", "quants.c")):
+        return ggml
+    if not fetch:
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-binary", ":all:", "--no-deps",
+                        f"llama-cpp-python=={PEER_VERSION}", "-d", d], check=True)
+        (tgz,) = glob.glob(os.path.join(d, "*.tar.gz"))
+        with tarfile.open(tgz) as t:
+            pre = f"llama_cpp_python-{PEER_VERSION}/vendor/llama.cpp/"
+            members = [m for m in t.getmembers() if m.name.startswith(pre + "ggml/") and not m.issym()]
+            for m in members:
+                m.name = m.name[len(pre):]
+            os.makedirs(dest, exist_ok=True)
+            t.extractall(dest, members=members, filter="data")
+    return ggml
+
+
+def sdots(loop: list[str]) -> int:
+    return sum(1 for ln in loop if ln.split()[0] in ("sdot", "udot"))
+
+
+def measure(kernels: list[Kernel], ggml: str | None) -> dict[Kernel, dict[str, float]]:
+    """Kernel -> {'a76': cycles per 32 weights (x column), 'a55': ..., 'insns': instructions per 32}."""
+    asm: dict[str, dict[str, list[str]]] = {}
+    mine = [k.func for k in kernels if k.src == "ours"]
+    if mine:
+        asm["ours"] = mca.functions(mca.compile_asm(ours_harness(mine), [OURS_SRC], flags=OURS_FLAGS))
+    if ggml:
+        inc = [os.path.join(ggml, "src", "ggml-cpu"), os.path.join(ggml, "src"), os.path.join(ggml, "include")]
+        for src, cxx in (("quants.c", False), ("repack.cpp", True)):
+            if any(k.src == src for k in kernels):
+                asm[src] = mca.functions(mca.compile_asm(f'#include "arch/arm/{src}"\n', inc, cxx=cxx))
+    out = {}
+    for k in kernels:
+        if k.src not in asm:
+            continue
+        loop = mca.pick_loop(mca.find_function(asm[k.src], k.func))
+        if sdots(loop) * 16 != k.macs:
+            raise ValueError(f"{k.func}: inner loop has {sdots(loop)} sdots, its tile needs {k.macs // 16}")
+        per32 = k.macs / 32
+        res = {"insns": len(loop) / per32}
+        for core in ("a76", "a55"):
+            res[core] = mca.mca(loop, core).cycles / per32
+        out[k] = res
+    return out
+
+
+# ---- the board model ----
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    mats: tuple[tuple[str, int, int], ...]  # (role, rows, n) per layer: weights read per token
+    layers: int
+    head: tuple[int, int]                   # output head (vocab, hidden)
+
+
+QWEN3_1_7B = Shape("Qwen3-1.7B", (("attn", 2048, 2048), ("attn", 1024, 2048), ("attn_v", 1024, 2048),
+                                  ("attn", 2048, 2048), ("ffn", 6144, 2048), ("ffn", 6144, 2048),
+                                  ("ffn_down", 2048, 6144)), 28, (151936, 2048))
+QWEN3_30B_A3B = Shape("Qwen3-30B-A3B (8 of 128 experts)", (("attn", 4096, 2048), ("attn", 512, 2048),
+                                                           ("attn_v", 512, 2048), ("attn", 2048, 4096),
+                                                           ("expert", 8 * 768, 2048), ("expert", 8 * 768, 2048),
+                                                           ("expert_down", 8 * 2048, 768)), 48, (151936, 2048))
+
+
+def file_types(ftype: str, role: str) -> list[tuple[str, float]]:
+    """(type, share) of a matrix in a file: Q4_K_M as llama.cpp's quantizer writes it, roughly (attn_v and ffn_down
+    at Q6_K in about half of the layers, the head at Q6_K), the others uniform."""
+    if ftype != "Q4_K_M":
+        return [(ftype, 1.0)]
+    if role in ("attn_v", "ffn_down", "expert_down"):
+        return [("Q6_K", 0.5), ("Q4_K", 0.5)]
+    return [("Q6_K", 1.0)] if role == "head" else [("Q4_K", 1.0)]
+
+
+def predict(costs: dict[tuple[str, str, str], float], shape: Shape, ftype: str, side: str, board: dict) -> dict:
+    """Decode and prefill tok/s of the weight products of one token. costs: (side, kind, qtype) -> cycles/32."""
+    hz = board["cores"] * board["ghz"] * 1e9
+    mats = [(role, r * n, shape.layers) for role, r, n in shape.mats] + [("head", shape.head[0] * shape.head[1], 1)]
+    dec = pre = byt = comp = 0.0
+    for role, w, count in mats:
+        for q, share in file_types(ftype, role):
+            kind_q = (side, "decode", q)
+            if kind_q not in costs:
+                return {}
+            ww = w * count * share
+            cyc = ww / 32 * costs[kind_q]
+            b = ww * BYTES_PER_WEIGHT[q]
+            dec += max(cyc / hz, b / (board["bw"] * 1e9))
+            comp += cyc / hz
+            byt += b
+            pre += ww / 32 * costs.get((side, "prefill", q), float("nan")) / hz
+    bw_limit = board["bw"] * 1e9 / byt
+    return {"decode": 1 / dec, "bw_limit": bw_limit, "compute_limit": 1 / comp, "share": (1 / dec) / bw_limit, "prefill": 1 / pre,
+            "gb": byt / 1e9}
+
+
+def board_costs(res: dict[Kernel, dict[str, float]]) -> dict[tuple[str, str, str], float]:
+    """The kernel each side runs on the board per (kind, qtype): ours x8 where it exists for a dense model (else
+    in place), llama.cpp's repacked one where it repacks (else its in-place dot)."""
+    out: dict[tuple[str, str, str], float] = {}
+    order = {"rows in place": 0}
+    for k in sorted(res, key=lambda k: order.get(k.layout, 1)):
+        out[(k.side, k.kind, k.qtype)] = res[k]["a76"]
+    return out
+
+
+def moe_costs(res: dict[Kernel, dict[str, float]]) -> dict[tuple[str, str, str], float]:
+    """As board_costs, but our experts are read in place (the row layout), as the MoE layer does."""
+    out = board_costs(res)
+    for k, r in res.items():
+        if k.side == "ours" and k.kind == "decode" and k.layout == "rows in place":
+            out[("ours", "decode", k.qtype)] = r["a76"]
+    return out
+
+
+def report(res: dict[Kernel, dict[str, float]], board: dict) -> str:
+    lines = ["| kind | type | code | layout | A76 cycles / 32 w | A55 cycles / 32 w | insns / 32 w | ours / llama.cpp (A76) |",
+             "| --- | --- | --- | --- | ---: | ---: | ---: | --- |"]
+    for k, r in res.items():
+        ratio = ""
+        if k.side == "ours":
+            peers = [(p.layout, rr["a76"]) for p, rr in res.items()
+                     if p.side != "ours" and p.kind == k.kind and p.qtype == k.qtype]
+            ratio = ", ".join(f"{r['a76'] / c:.2f}x {lay}" for lay, c in peers)
+        lines.append(f"| {k.kind} | {k.qtype} | {k.side} `{k.func.removeprefix('mca_')}` | {k.layout} | "
+                     f"{r['a76']:.2f} | {r['a55']:.2f} | {r['insns']:.1f} | {ratio} |")
+    lines += ["", f"Board: {board['cores']} A76 at {board['ghz']} GHz, {board['bw']} GB/s (weight products only).", "",
+              "| shape | file | code | GB / token | bandwidth limit tok/s | compute limit tok/s | decode tok/s | "
+              "of the bandwidth limit | prefill tok/s |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for shape, costs in ((QWEN3_1_7B, board_costs(res)), (QWEN3_30B_A3B, moe_costs(res))):
+        for ftype in ("Q4_0", "Q8_0", "Q4_K_M"):
+            for side in ("ours", "llama.cpp"):
+                p = predict(costs, shape, ftype, side, board)
+                if p:
+                    lines.append(f"| {shape.name} | {ftype} | {side} | {p['gb']:.2f} | {p['bw_limit']:.1f} | "
+                                 f"{p['compute_limit']:.1f} | {p['decode']:.1f} | {p['share']:.0%} | {p['prefill']:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="our Q8_0/Q4_0 kernels only, no llama.cpp source")
+    ap.add_argument("--llama-src", help="llama.cpp's ggml/ directory (default: the peer's sdist, fetched once)")
+    ap.add_argument("--bw", type=float, default=20.0, help="board read bandwidth, GB/s")
+    ap.add_argument("--ghz", type=float, default=2.4)
+    ap.add_argument("--cores", type=int, default=4)
+    a = ap.parse_args(argv)
+    kernels = [k for k in KERNELS if k.func in QUICK] if a.quick else KERNELS
+    ggml = None if a.quick else llama_src(a.llama_src)
+    res = measure(kernels, ggml)
+    print(report(res, {"bw": a.bw, "ghz": a.ghz, "cores": a.cores}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
