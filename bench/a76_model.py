@@ -13,7 +13,7 @@ Policy:
   repacked ones (arch/arm/repack.cpp, `ggml_gemv_*` / `ggml_gemm_*`): on an A76 (dotprod, no i8mm) it repacks
   Q4_0/Q8_0 to 4x4 and Q4_K/Q5_K/Q6_K to 8x4 for decode and prefill alike, so those are its board kernels.
 - Unit: cycles per 32 weights (per 32 weights x 1 column for prefill tiles), from cycles per iteration and the
-  iteration's multiply-adds (its sdot count x 16, checked against the tile's rows x columns x weights).
+  iteration's multiply-adds (its sdot count x 16: a whole number of blocks of the tile's rows x columns, checked).
 - Board: 4 Cortex-A76 at 2.4 GHz (RK3588 datasheet clock) sharing an assumed 20 GB/s of read bandwidth (LPDDR4x
   at 4224 MT/s on 64 bits is 33.8 GB/s peak; 20 GB/s is an assumption of what the A76 cluster sustains, not a
   measurement). A matrix-vector product costs max(compute over the cores, weight bytes / bandwidth): llvm-mca
@@ -70,27 +70,27 @@ class Kernel:
     layout: str   # how the weights are laid out for it
     src: str      # "ours" | "quants.c" | "repack.cpp"
     func: str
-    rows: int     # the work of one iteration of its inner loop: rows x cols x weights multiply-adds
+    rows: int     # the tile: rows x cols, one block (32 or 256 weights) at least per iteration of the inner loop
     cols: int
-    weights: int
+    block: int
 
     @property
-    def macs(self) -> int:
-        return self.rows * self.cols * self.weights
+    def macs(self) -> int:  # of one block of the tile
+        return self.rows * self.cols * self.block
 
 
-def _k(side, kind, q, layout, src, func, rows, cols, weights) -> Kernel:
-    return Kernel(side, kind, q, layout, src, func, rows, cols, weights)
+def _k(side, kind, q, layout, src, func, rows, cols, block) -> Kernel:
+    return Kernel(side, kind, q, layout, src, func, rows, cols, block)
 
 
 KERNELS = [
     _k("ours", "decode", "Q8_0", "rows in place", "ours", "mca_dec_q8_0", 4, 1, 32),
     _k("ours", "decode", "Q8_0", "x8", "ours", "mca_x8dec_q8_0", 8, 1, 32),
-    _k("llama.cpp", "decode", "Q8_0", "rows in place", "quants.c", "ggml_vec_dot_q8_0_q8_0", 1, 1, 64),
+    _k("llama.cpp", "decode", "Q8_0", "rows in place", "quants.c", "ggml_vec_dot_q8_0_q8_0", 1, 1, 32),
     _k("llama.cpp", "decode", "Q8_0", "4x4 repack", "repack.cpp", "ggml_gemv_q8_0_4x4_q8_0", 4, 1, 32),
     _k("ours", "decode", "Q4_0", "rows in place", "ours", "mca_dec_q4_0", 4, 1, 32),
     _k("ours", "decode", "Q4_0", "x8", "ours", "mca_x8dec_q4_0", 8, 1, 32),
-    _k("llama.cpp", "decode", "Q4_0", "rows in place", "quants.c", "ggml_vec_dot_q4_0_q8_0", 1, 1, 64),
+    _k("llama.cpp", "decode", "Q4_0", "rows in place", "quants.c", "ggml_vec_dot_q4_0_q8_0", 1, 1, 32),
     _k("llama.cpp", "decode", "Q4_0", "4x4 repack", "repack.cpp", "ggml_gemv_q4_0_4x4_q8_0", 4, 1, 32),
     _k("ours", "decode", "Q4_K", "rows in place", "ours", "mca_dec_q4_K", 4, 1, 256),
     _k("ours", "decode", "Q4_K", "x8", "ours", "mca_x8dec_q4_K", 8, 1, 256),
@@ -155,12 +155,12 @@ def sdots(loop: list[str]) -> int:
     return sum(1 for ln in loop if ln.split()[0] in ("sdot", "udot"))
 
 
-def measure(kernels: list[Kernel], ggml: str | None) -> dict[Kernel, dict[str, float]]:
+def measure(kernels: list[Kernel], ggml: str | None, ours_src: str = OURS_SRC) -> dict[Kernel, dict[str, float]]:
     """Kernel -> {'a76': cycles per 32 weights (x column), 'a55': ..., 'insns': instructions per 32}."""
     asm: dict[str, dict[str, list[str]]] = {}
     mine = [k.func for k in kernels if k.src == "ours"]
     if mine:
-        asm["ours"] = mca.functions(mca.compile_asm(ours_harness(mine), [OURS_SRC], flags=OURS_FLAGS))
+        asm["ours"] = mca.functions(mca.compile_asm(ours_harness(mine), [ours_src], flags=OURS_FLAGS))
     if ggml:
         inc = [os.path.join(ggml, "src", "ggml-cpu"), os.path.join(ggml, "src"), os.path.join(ggml, "include")]
         for src, cxx in (("quants.c", False), ("repack.cpp", True)):
@@ -171,10 +171,12 @@ def measure(kernels: list[Kernel], ggml: str | None) -> dict[Kernel, dict[str, f
         if k.src not in asm:
             continue
         loop = mca.pick_loop(mca.find_function(asm[k.src], k.func))
-        if sdots(loop) * 16 != k.macs:
-            raise ValueError(f"{k.func}: inner loop has {sdots(loop)} sdots, its tile needs {k.macs // 16}")
-        per32 = k.macs / 32
-        res = {"insns": len(loop) / per32}
+        blocks, rem = divmod(sdots(loop) * 16, k.macs)
+        if blocks < 1 or rem:
+            raise ValueError(f"{k.func}: inner loop has {sdots(loop)} sdots, not a multiple of a block's "
+                             f"{k.macs // 16}")
+        per32 = blocks * k.macs / 32
+        res = {"insns": len(loop) / per32, "blocks": blocks}
         for core in ("a76", "a55"):
             res[core] = mca.mca(loop, core).cycles / per32
         out[k] = res
@@ -252,15 +254,16 @@ def moe_costs(res: dict[Kernel, dict[str, float]]) -> dict[tuple[str, str, str],
 
 
 def report(res: dict[Kernel, dict[str, float]], board: dict) -> str:
-    lines = ["| kind | type | code | layout | A76 cycles / 32 w | A55 cycles / 32 w | insns / 32 w | ours / llama.cpp (A76) |",
-             "| --- | --- | --- | --- | ---: | ---: | ---: | --- |"]
+    lines = ["| kind | type | code | layout (tile, blocks / iteration) | A76 cycles / 32 w | A55 cycles / 32 w | "
+             "insns / 32 w | ours / llama.cpp (A76) |", "| --- | --- | --- | --- | ---: | ---: | ---: | --- |"]
     for k, r in res.items():
         ratio = ""
         if k.side == "ours":
             peers = [(p.layout, rr["a76"]) for p, rr in res.items()
                      if p.side != "ours" and p.kind == k.kind and p.qtype == k.qtype]
             ratio = ", ".join(f"{r['a76'] / c:.2f}x {lay}" for lay, c in peers)
-        lines.append(f"| {k.kind} | {k.qtype} | {k.side} `{k.func.removeprefix('mca_')}` | {k.layout} | "
+        lines.append(f"| {k.kind} | {k.qtype} | {k.side} `{k.func.removeprefix('mca_')}` | {k.layout} "
+                     f"({k.rows}x{k.cols}, {r['blocks']:.0f}) | "
                      f"{r['a76']:.2f} | {r['a55']:.2f} | {r['insns']:.1f} | {ratio} |")
     lines += ["", f"Board: {board['cores']} A76 at {board['ghz']} GHz, {board['bw']} GB/s (weight products only).", "",
               "| shape | file | code | GB / token | bandwidth limit tok/s | compute limit tok/s | decode tok/s | "
@@ -279,13 +282,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="our Q8_0/Q4_0 kernels only, no llama.cpp source")
     ap.add_argument("--llama-src", help="llama.cpp's ggml/ directory (default: the peer's sdist, fetched once)")
+    ap.add_argument("--ours-src", default=OURS_SRC, help="our kernels' sources (another checkout's, to compare)")
     ap.add_argument("--bw", type=float, default=20.0, help="board read bandwidth, GB/s")
     ap.add_argument("--ghz", type=float, default=2.4)
     ap.add_argument("--cores", type=int, default=4)
     a = ap.parse_args(argv)
     kernels = [k for k in KERNELS if k.func in QUICK] if a.quick else KERNELS
     ggml = None if a.quick else llama_src(a.llama_src)
-    res = measure(kernels, ggml)
+    res = measure(kernels, ggml, a.ours_src)
     print(report(res, {"bw": a.bw, "ghz": a.ghz, "cores": a.cores}))
     return 0
 

@@ -3,7 +3,8 @@
 # emulation (functional only: every SIMD level the emulated CPU has — scalar, NEON, NEON+dotprod — must
 # equal the numpy twins bit for bit). Needs: apt-get install qemu-user-static gcc-aarch64-linux-gnu
 #
-#   scripts/qemu_aarch64_kernels.sh [PYTHON]      (PYTHON defaults to .venv/bin/python, then python3)
+#   scripts/qemu_aarch64_kernels.sh [PYTHON [PYTEST ARGS...]]   (PYTHON defaults to .venv/bin/python, then python3;
+#                                                               the pytest arguments select tests, -k ...)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${1:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
@@ -19,4 +20,4 @@ file "$OUT/kq_driver" | grep -q aarch64
 export KESTREL_KERNEL_DRIVER="$QEMU -L $SYSROOT $OUT/kq_driver"
 "$PY" -c 'from tests.support.kernel_driver import kernels_under_test as k; k = k()
 print("aarch64 kernels under qemu: best SIMD level", k.simd_max(), k.simd_name())'
-"$PY" -m pytest -q tests/native/test_native_kernels.py
+"$PY" -m pytest -q tests/native/test_native_kernels.py "${@:2}"

@@ -77,6 +77,27 @@ def test_decode_columns_are_bit_exact(qtype, level):
 
 
 @pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_0], ids=lambda t: t.name)
+def test_decode_columns_exact_past_32_bit_running_totals(qtype, level):
+    """The NEON decode columns (matmul_neon_col.inc) keep each row's integer dot running over the whole row and
+    take a block's sum as the difference of two totals: rows of extreme values long enough that those totals
+    wrap around 32 bits still give every block's exact sum (Q8_0: 127 * y, 6,000 blocks; Q4_0: nibbles 15 * y,
+    45,000 blocks)."""
+    kernels.set_simd_level(level)
+    nb = 6000 if qtype == QType.Q8_0 else 45000
+    w = np.zeros((5, nb, 34 if qtype == QType.Q8_0 else 18), np.uint8)
+    w[..., 0:2] = np.float16(0.001).reshape(1).view(np.uint8)
+    w[..., 2:] = 127 if qtype == QType.Q8_0 else 0xFF
+    w[3, :, 2:] = 0x81 if qtype == QType.Q8_0 else 0x0F  # one row of other values: -127, and nibbles 15 / 0
+    w = w.reshape(5, -1)
+    x = np.ones((1, 32 * nb), np.float32)
+    x[0, 1::7] = 0.5
+    top = 127 if qtype == QType.Q8_0 else 15
+    assert top * twins.quantize_q8_32(x)["q"].astype(np.int64).sum() > 2**31  # row 0's running total wraps
+    np.testing.assert_array_equal(kernels.matmul(qtype, w, x), twins.matmul(qtype, w, x))
+
+
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("qtype", twins.X8_TYPES, ids=lambda t: t.name)
 def test_x8_layout_matmul_is_bit_exact(qtype, level):
     kernels.set_simd_level(level)
