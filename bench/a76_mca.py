@@ -15,7 +15,8 @@ Policy:
   The caller states how many of those instructions one iteration must hold, so a loop the compiler unrolled
   or a wrong pick fails loudly instead of giving a figure for the wrong work.
 - `.inst 0x...` words (llama.cpp's inline assembly spells sdot that way for old assemblers) are disassembled
-  with llvm-mc first; llvm-mca would otherwise drop them and under-count.
+  with llvm-mc first; llvm-mca would otherwise drop them and under-count. A call in the loop (a helper of another
+  file, say our K-quant scale unpackers in quant.c) is followed by the callee's instructions, so its work counts.
 - Cortex-A76: LLVM has no model of its own for it (`-mcpu=cortex-a76` gets the Cortex-A57 model, which does not
   know sdot), so llvm-mca runs with `-mcpu=neoverse-n1`, the server core built on the A76's pipeline (same
   4-wide decode, 2 ASIMD pipes, 2 load pipes and instruction latencies in Arm's optimization guides). That model
@@ -190,6 +191,22 @@ def pick_loop(body: list[str], want_dots: int | None = None) -> list[str]:
     if want_dots is not None and dots(best) != want_dots:
         raise ValueError(f"inner loop has {dots(best)} dot instructions, expected {want_dots}:\n" + "\n".join(best))
     return best
+
+
+def splice_calls(loop: list[str], funcs: dict[str, list[str]]) -> list[str]:
+    """Each `bl f` of a loop followed by f's instructions (its `ret` included), f taken from funcs: a call the build
+    leaves out of line (a helper in another file) is work the loop does. A callee with a loop of its own, or one
+    not in funcs, is an error: its cost cannot be had this way."""
+    out = []
+    for ln in loop:
+        out.append(ln)
+        m = re.match(r"^bl\s+([\w.$]+)", ln)
+        if not m:
+            continue
+        if m.group(1) not in funcs or innermost_loops(funcs[m.group(1)]):
+            raise ValueError(f"call to {m.group(1)} in the loop: no straight-line body to time")
+        out += [x for x in _normalize(funcs[m.group(1)]) if _is_insn(x)]
+    return out
 
 
 def disassemble_inst(loop: list[str]) -> list[str]:

@@ -161,6 +161,9 @@ def measure(kernels: list[Kernel], ggml: str | None, ours_src: str = OURS_SRC) -
     mine = [k.func for k in kernels if k.src == "ours"]
     if mine:
         asm["ours"] = mca.functions(mca.compile_asm(ours_harness(mine), [ours_src], flags=OURS_FLAGS))
+        # the helpers the tile kernels call out of line (the build compiles each file on its own, no LTO)
+        asm["ours"].update({k: v for k, v in mca.functions(mca.compile_asm(
+            '#include "quant.c"\n', [ours_src], flags=OURS_FLAGS)).items() if k not in asm["ours"]})
     if ggml:
         inc = [os.path.join(ggml, "src", "ggml-cpu"), os.path.join(ggml, "src"), os.path.join(ggml, "include")]
         for src, cxx in (("quants.c", False), ("repack.cpp", True)):
@@ -170,7 +173,7 @@ def measure(kernels: list[Kernel], ggml: str | None, ours_src: str = OURS_SRC) -
     for k in kernels:
         if k.src not in asm:
             continue
-        loop = mca.pick_loop(mca.find_function(asm[k.src], k.func))
+        loop = mca.splice_calls(mca.pick_loop(mca.find_function(asm[k.src], k.func)), asm[k.src])
         blocks, rem = divmod(sdots(loop) * 16, k.macs)
         if blocks < 1 or rem:
             raise ValueError(f"{k.func}: inner loop has {sdots(loop)} sdots, not a multiple of a block's "
