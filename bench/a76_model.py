@@ -199,6 +199,9 @@ class Shape:
 QWEN3_1_7B = Shape("Qwen3-1.7B", (("attn", 2048, 2048), ("attn", 1024, 2048), ("attn_v", 1024, 2048),
                                   ("attn", 2048, 2048), ("ffn", 6144, 2048), ("ffn", 6144, 2048),
                                   ("ffn_down", 2048, 6144)), 28, (151936, 2048))
+QWEN3_4B = Shape("Qwen3-4B", (("attn", 4096, 2560), ("attn", 1024, 2560), ("attn_v", 1024, 2560),
+                              ("attn", 2560, 4096), ("ffn", 9728, 2560), ("ffn", 9728, 2560),
+                              ("ffn_down", 2560, 9728)), 36, (151936, 2560))
 QWEN3_30B_A3B = Shape("Qwen3-30B-A3B (8 of 128 experts)", (("attn", 4096, 2048), ("attn", 512, 2048),
                                                            ("attn_v", 512, 2048), ("attn", 2048, 4096),
                                                            ("expert", 8 * 768, 2048), ("expert", 8 * 768, 2048),
@@ -256,22 +259,29 @@ def moe_costs(res: dict[Kernel, dict[str, float]]) -> dict[tuple[str, str, str],
     return out
 
 
-def report(res: dict[Kernel, dict[str, float]], board: dict) -> str:
-    lines = ["| kind | type | code | layout (tile, blocks / iteration) | A76 cycles / 32 w | A55 cycles / 32 w | "
-             "insns / 32 w | ours / llama.cpp (A76) |", "| --- | --- | --- | --- | ---: | ---: | ---: | --- |"]
+def report(res: dict[Kernel, dict[str, float]], board: dict, before: dict | None = None) -> str:
+    """The kernel table (with the A76 cycles of another checkout's kernels, `before`, when given) and the board's."""
+    bcol = " A76 before |" if before else ""
+    lines = [f"| kind | type | code | layout (tile, blocks / iteration) |{bcol} A76 cycles / 32 w | A55 cycles / 32 w | "
+             "insns / 32 w | ours / llama.cpp (A76) |", "| --- | --- | --- | --- |" + (" ---: |" if before else "") +
+             " ---: | ---: | ---: | --- |"]
     for k, r in res.items():
+        bval = ""
+        if before:
+            bval = f" {before[k]['a76']:.2f} |" if k in before else " |"
         ratio = ""
         if k.side == "ours":
             peers = [(p.layout, rr["a76"]) for p, rr in res.items()
                      if p.side != "ours" and p.kind == k.kind and p.qtype == k.qtype]
             ratio = ", ".join(f"{r['a76'] / c:.2f}x {lay}" for lay, c in peers)
         lines.append(f"| {k.kind} | {k.qtype} | {k.side} `{k.func.removeprefix('mca_')}` | {k.layout} "
-                     f"({k.rows}x{k.cols}, {r['blocks']:.0f}) | "
+                     f"({k.rows}x{k.cols}, {r['blocks']:.0f}) |{bval} "
                      f"{r['a76']:.2f} | {r['a55']:.2f} | {r['insns']:.1f} | {ratio} |")
     lines += ["", f"Board: {board['cores']} A76 at {board['ghz']} GHz, {board['bw']} GB/s (weight products only).", "",
               "| shape | file | code | GB / token | bandwidth limit tok/s | compute limit tok/s | decode tok/s | "
               "of the bandwidth limit | prefill tok/s |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for shape, costs in ((QWEN3_1_7B, board_costs(res)), (QWEN3_30B_A3B, moe_costs(res))):
+    for shape, costs in ((QWEN3_1_7B, board_costs(res)), (QWEN3_4B, board_costs(res)),
+                         (QWEN3_30B_A3B, moe_costs(res))):
         for ftype in ("Q4_0", "Q8_0", "Q4_K_M"):
             for side in ("ours", "llama.cpp"):
                 p = predict(costs, shape, ftype, side, board)
@@ -286,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="our Q8_0/Q4_0 kernels only, no llama.cpp source")
     ap.add_argument("--llama-src", help="llama.cpp's ggml/ directory (default: the peer's sdist, fetched once)")
     ap.add_argument("--ours-src", default=OURS_SRC, help="our kernels' sources (another checkout's, to compare)")
+    ap.add_argument("--before", help="another checkout's kernel sources: their A76 cycles as a column")
     ap.add_argument("--bw", type=float, default=20.0, help="board read bandwidth, GB/s")
     ap.add_argument("--ghz", type=float, default=2.4)
     ap.add_argument("--cores", type=int, default=4)
@@ -293,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     kernels = [k for k in KERNELS if k.func in QUICK] if a.quick else KERNELS
     ggml = None if a.quick else llama_src(a.llama_src)
     res = measure(kernels, ggml, a.ours_src)
-    print(report(res, {"bw": a.bw, "ghz": a.ghz, "cores": a.cores}))
+    before = measure([k for k in kernels if k.side == "ours"], None, a.before) if a.before else None
+    print(report(res, {"bw": a.bw, "ghz": a.ghz, "cores": a.cores}, before))
     return 0
 
 
