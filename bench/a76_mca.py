@@ -82,20 +82,27 @@ def sysroot_flags(cxx: bool) -> list[str]:
     return flags + (["-std=c++17"] if cxx else ["-std=gnu11"])
 
 
-def compile_asm(source: str, includes: list[str], cxx: bool = False, flags: list[str] | None = None) -> str:
-    """The assembly clang writes for one file (source text), with the include directories and the code base's own
-    extra flags (ours: -ffp-contract=off -fno-trapping-math, from appliance/native/build.py) given."""
+GCC = "aarch64-linux-gnu-gcc"  # the board's compiler (a cross GCC here), for the --gcc comparison of our kernels
+GCC_FLAGS = ["-mcpu=cortex-a76", "-O3", "-S", "-fno-asynchronous-unwind-tables", "-D_GNU_SOURCE"]
+
+
+def compile_asm(source: str, includes: list[str], cxx: bool = False, flags: list[str] | None = None,
+                gcc: bool = False) -> str:
+    """The assembly clang (or, gcc=True, the aarch64 GCC) writes for one file (source text), with the include
+    directories and the code base's own extra flags (ours: -ffp-contract=off -fno-trapping-math, from
+    appliance/native/build.py) given."""
     t = tools()
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "k.cpp" if cxx else "k.c")
         with open(src, "w") as f:
             f.write(source)
         out = os.path.join(d, "k.s")
-        cmd = [t["clang++" if cxx else "clang"], *CLANG_FLAGS, *sysroot_flags(cxx),
-               *[f"-I{i}" for i in includes], *(flags or []), src, "-o", out]
+        cc = [GCC, *GCC_FLAGS, "-std=gnu11"] if gcc else [t["clang++" if cxx else "clang"], *CLANG_FLAGS,
+                                                           *sysroot_flags(cxx)]
+        cmd = [*cc, *[f"-I{i}" for i in includes], *(flags or []), src, "-o", out]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
-            raise RuntimeError(f"clang failed: {' '.join(cmd)}\n{r.stderr[-3000:]}")
+            raise RuntimeError(f"compiler failed: {' '.join(cmd)}\n{r.stderr[-3000:]}")
         with open(out) as f:
             return f.read()
 
@@ -104,7 +111,7 @@ def functions(asm: str) -> dict[str, list[str]]:
     """Function name -> its lines, from `name:` after `.type name,@function` to the next `.Lfunc_end`."""
     out: dict[str, list[str]] = {}
     lines = asm.splitlines()
-    typed = {m.group(1) for m in re.finditer(r"\.type\s+([\w.$]+),\s*@function", asm)}
+    typed = {m.group(1) for m in re.finditer(r"\.type\s+([\w.$]+),\s*[@%]function", asm)}
     cur: str | None = None
     for ln in lines:
         m = re.match(r"^([\w.$]+):", ln)
@@ -130,6 +137,9 @@ def find_function(funcs: dict[str, list[str]], name: str) -> list[str]:
     return funcs[hits[0]]
 
 
+_CC_BRANCH = re.compile(r"^b(eq|ne|cs|hs|cc|lo|mi|pl|vs|vc|hi|ls|ge|lt|gt|le)(\s)")  # GCC's `bne` is `b.ne`
+
+
 def _normalize(body: list[str]) -> list[str]:
     """Comments stripped, `label: insn` (inline assembly writes `1:` and its instruction on one line) split."""
     out = []
@@ -139,7 +149,7 @@ def _normalize(body: list[str]) -> list[str]:
         if m:
             out.append(m.group(1) + ":")
             ln = m.group(2).strip()
-        out += [x.strip() for x in ln.split(";") if x.strip()]
+        out += [_CC_BRANCH.sub(r"b.\1\2", x.strip()) for x in ln.split(";") if x.strip()]
     return out
 
 

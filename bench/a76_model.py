@@ -155,15 +155,17 @@ def sdots(loop: list[str]) -> int:
     return sum(1 for ln in loop if ln.split()[0] in ("sdot", "udot"))
 
 
-def measure(kernels: list[Kernel], ggml: str | None, ours_src: str = OURS_SRC) -> dict[Kernel, dict[str, float]]:
-    """Kernel -> {'a76': cycles per 32 weights (x column), 'a55': ..., 'insns': instructions per 32}."""
+def measure(kernels: list[Kernel], ggml: str | None, ours_src: str = OURS_SRC,
+            gcc: bool = False, strict: bool = True) -> dict[Kernel, dict[str, float]]:
+    """Kernel -> {'a76': cycles per 32 weights (x column), 'a55': ..., 'insns': instructions per 32}. Not strict:
+    a kernel whose inner loop is not one whole iteration of its tile (GCC leaves a sub-loop rolled) is left out."""
     asm: dict[str, dict[str, list[str]]] = {}
     mine = [k.func for k in kernels if k.src == "ours"]
     if mine:
-        asm["ours"] = mca.functions(mca.compile_asm(ours_harness(mine), [ours_src], flags=OURS_FLAGS))
+        asm["ours"] = mca.functions(mca.compile_asm(ours_harness(mine), [ours_src], flags=OURS_FLAGS, gcc=gcc))
         # the helpers the tile kernels call out of line (the build compiles each file on its own, no LTO)
         asm["ours"].update({k: v for k, v in mca.functions(mca.compile_asm(
-            '#include "quant.c"\n', [ours_src], flags=OURS_FLAGS)).items() if k not in asm["ours"]})
+            '#include "quant.c"\n', [ours_src], flags=OURS_FLAGS, gcc=gcc)).items() if k not in asm["ours"]})
     if ggml:
         inc = [os.path.join(ggml, "src", "ggml-cpu"), os.path.join(ggml, "src"), os.path.join(ggml, "include")]
         for src, cxx in (("quants.c", False), ("repack.cpp", True)):
@@ -176,6 +178,8 @@ def measure(kernels: list[Kernel], ggml: str | None, ours_src: str = OURS_SRC) -
         loop = mca.splice_calls(mca.pick_loop(mca.find_function(asm[k.src], k.func)), asm[k.src])
         blocks, rem = divmod(sdots(loop) * 16, k.macs)
         if blocks < 1 or rem:
+            if not strict:
+                continue
             raise ValueError(f"{k.func}: inner loop has {sdots(loop)} sdots, not a multiple of a block's "
                              f"{k.macs // 16}")
         per32 = blocks * k.macs / 32
@@ -259,9 +263,10 @@ def moe_costs(res: dict[Kernel, dict[str, float]]) -> dict[tuple[str, str, str],
     return out
 
 
-def report(res: dict[Kernel, dict[str, float]], board: dict, before: dict | None = None) -> str:
+def report(res: dict[Kernel, dict[str, float]], board: dict, before: dict | None = None,
+           label: str = "A76 before") -> str:
     """The kernel table (with the A76 cycles of another checkout's kernels, `before`, when given) and the board's."""
-    bcol = " A76 before |" if before else ""
+    bcol = f" {label} |" if before else ""
     lines = [f"| kind | type | code | layout (tile, blocks / iteration) |{bcol} A76 cycles / 32 w | A55 cycles / 32 w | "
              "insns / 32 w | ours / llama.cpp (A76) |", "| --- | --- | --- | --- |" + (" ---: |" if before else "") +
              " ---: | ---: | ---: | --- |"]
@@ -297,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-src", help="llama.cpp's ggml/ directory (default: the peer's sdist, fetched once)")
     ap.add_argument("--ours-src", default=OURS_SRC, help="our kernels' sources (another checkout's, to compare)")
     ap.add_argument("--before", help="another checkout's kernel sources: their A76 cycles as a column")
+    ap.add_argument("--gcc", action="store_true", help="our kernels as the board's GCC compiles them, as that column")
     ap.add_argument("--bw", type=float, default=20.0, help="board read bandwidth, GB/s")
     ap.add_argument("--ghz", type=float, default=2.4)
     ap.add_argument("--cores", type=int, default=4)
@@ -304,8 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     kernels = [k for k in KERNELS if k.func in QUICK] if a.quick else KERNELS
     ggml = None if a.quick else llama_src(a.llama_src)
     res = measure(kernels, ggml, a.ours_src)
-    before = measure([k for k in kernels if k.side == "ours"], None, a.before) if a.before else None
-    print(report(res, {"bw": a.bw, "ghz": a.ghz, "cores": a.cores}, before))
+    before = None
+    if a.before or a.gcc:
+        before = measure([k for k in kernels if k.side == "ours"], None, a.before or OURS_SRC, gcc=a.gcc,
+                         strict=False)
+    label = ("A76 before" if a.before else "A76") + (" (GCC)" if a.gcc else "")
+    print(report(res, {"bw": a.bw, "ghz": a.ghz, "cores": a.cores}, before, label))
     return 0
 
 
