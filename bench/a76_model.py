@@ -8,7 +8,8 @@ Policy:
 - Ours: the tile kernels of the dotprod level (matmul_neon.c, `*_neondot`), called by `flatten` wrappers with
   the shape as constants: decode is one column (T = 1) of the row layout (what MoE experts and the types without
   an x8 layout read) and of the x8 layout (dense Q8_0/Q4_0/Q4_K/Q6_K); prefill is one 4-column pass of the x8
-  kernels. llama.cpp (the peer's source distribution, bench/peer.py's version, unpacked once into
+  kernels. The constants pick the code the library runs at those shapes: the row tiles have a single-column path
+  of their own and the x8 kernels are specialised for a full pass and for one column (matmul_x8_neon.inc). llama.cpp (the peer's source distribution, bench/peer.py's version, unpacked once into
   ~/.cache/kestrel-bench/llama-src): its in-place dot products (arch/arm/quants.c, `ggml_vec_dot_*`) and the
   repacked ones (arch/arm/repack.cpp, `ggml_gemv_*` / `ggml_gemm_*`): on an A76 (dotprod, no i8mm) it repacks
   Q4_0/Q8_0 to 4x4 and Q4_K/Q5_K/Q6_K to 8x4 for decode and prefill alike, so those are its board kernels.

@@ -5,6 +5,7 @@ its sdot count says. llama.cpp's kernels are timed too when the peer's source is
 fetches it; a test does not download 76 MB). Skipped only without clang or an llvm-mca of LLVM >= 17
 (scripts/test.sh installs clang and llvm-19)."""
 import os
+import shutil
 import sys
 
 import pytest
@@ -57,6 +58,15 @@ def test_extraction_reads_inline_assembly_labels_and_inst_words(small_funcs):
     loop = a76_mca.pick_loop(a76_mca.find_function(small_funcs, "spelled"), want_dots=2)
     assert [ln.split()[0] for ln in loop] == ["sdot", "sdot", "subs", "b.gt"]
     assert a76_mca.mca(loop, "a76").cycles > 0
+
+
+def test_extraction_reads_gcc_assembly():
+    """GCC (the board's compiler, --gcc) writes `bne` for `b.ne` and `%function`: the loop is found all the same."""
+    if not shutil.which(a76_mca.GCC):
+        pytest.skip("no aarch64 GCC (Debian: gcc-aarch64-linux-gnu)")
+    funcs = a76_mca.functions(a76_mca.compile_asm(SMALL.split("void spelled")[0], [], gcc=True))
+    loop = a76_mca.pick_loop(a76_mca.find_function(funcs, "two_dots"), want_dots=1)
+    assert loop[-1].startswith("b.") and a76_mca.mca(loop, "a76").cycles > 0
 
 
 def test_a_wrong_expectation_fails_loudly(small_funcs):
