@@ -18,6 +18,7 @@ Policies:
   which Engine.generate polls between prefill chunks and decode steps.
 - A job is a GenerationRequest (Engine.generate) or one that runs itself on the engine (`request.run(engine,
   should_cancel)`: embedding and rerank jobs, engine/embedding.py), ending the same way (an event with `reason`).
+- Idle after a job (none waiting): freed heap goes back to the system (server/heap.py, malloc_trim).
 - Every job leaves a JobTrace (polls of the cancel flag, tokens, what ran after the cancel) for tests and
   /metrics; these are counted on the engine thread, not guessed from wall time.
 """
@@ -36,6 +37,7 @@ import trio
 
 from ..engine.embedding import EmbeddingJob, EmbeddingResult
 from ..engine.generate import FinishEvent
+from .heap import release_free_heap
 
 if TYPE_CHECKING:
     from ..engine.generate import GenerationRequest
@@ -239,6 +241,8 @@ class Worker:
             if job is None:
                 return
             self._run(loaded, job)
+            if self._jobs.empty():  # idle: what the request freed goes back to the system (server/heap.py)
+                release_free_heap()
 
     def _run(self, loaded: LoadedModel, job: _Job) -> None:
         t = job.trace
