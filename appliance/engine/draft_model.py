@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Callable, Sequence, cast
 
 import numpy as np
 
+_TAIL = 64  # positions _sync compares one by one; the rest of the shared prefix in one comparison
+
 if TYPE_CHECKING:
     from .qwen3 import Qwen3Model
     from .tokenizer import Tokenizer
@@ -118,8 +120,13 @@ class DraftModel:
               should_cancel: Callable[[], bool] = lambda: False) -> np.ndarray | None:
         """Make the cache hold seq (keeping the prefix it shares, running the rest); the last position's logits
         (unless keep_last: the last token need not run again, and nothing is returned)."""
-        have, n = self.cache_tokens, 0
+        have = self.cache_tokens
         limit = min(len(have), len(seq) if keep_last else len(seq) - 1)  # a token that runs gives the next logits
+        # Within a request the two part only in the last draft's tail: one list comparison (in C) clears the rest,
+        # so a step costs O(draft), not a Python walk over the whole context; another sequence walks from 0.
+        n = max(0, limit - _TAIL)
+        if have[:n] != list(seq[:n]):
+            n = 0
         while n < limit and have[n] == seq[n]:
             n += 1
         if n < len(have):

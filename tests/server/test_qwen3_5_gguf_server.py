@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import openai
 import pytest
-import torch
 
-from appliance.engine.chat_template import ChatTemplate
-from appliance.engine.tokenizer import Tokenizer
+from tests.support.hf_reference import greedy_answer
 from tests.support.live_server import start_cli_server
 
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": True}
@@ -28,18 +26,8 @@ def client(qwen3_5_gguf):
 
 @pytest.fixture(scope="module")
 def reference(qwen3_5_gguf):
-    """transformers' greedy continuation (text) of the checkpoint's template rendering of `messages`."""
-    from transformers import AutoModelForImageTextToText
-    hf = qwen3_5_gguf["hf"]
-    model = AutoModelForImageTextToText.from_pretrained(hf, dtype=torch.float32).eval()
-    tok, template = Tokenizer.from_dir(hf), ChatTemplate.from_dir(hf)
-
-    def answer(messages, n):
-        ids = tok.encode(template.render(messages, add_generation_prompt=True, enable_thinking=False))
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        return tok.decode(out[0, len(ids):].tolist())
-    return answer
+    """transformers' greedy continuation (text) of the checkpoint's template's rendering of `messages`."""
+    return greedy_answer(qwen3_5_gguf["hf"])
 
 
 def stream(client, messages, n):

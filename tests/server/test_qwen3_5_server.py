@@ -11,10 +11,8 @@ import urllib.request
 
 import openai
 import pytest
-import torch
 
-from appliance.engine.chat_template import ChatTemplate
-from appliance.engine.tokenizer import Tokenizer
+from tests.support.hf_reference import greedy_answer
 from tests.support.live_server import start_cli_server
 from tests.support.tiny_vl import image_bytes
 
@@ -47,16 +45,7 @@ def client(server):
 @pytest.fixture(scope="module")
 def reference(tiny_qwen3_5):
     """transformers' greedy continuation (text) of our template's rendering of `messages`."""
-    from transformers import AutoModelForImageTextToText
-    model = AutoModelForImageTextToText.from_pretrained(tiny_qwen3_5, dtype=torch.float32).eval()
-    tok, template = Tokenizer.from_dir(tiny_qwen3_5), ChatTemplate.from_dir(tiny_qwen3_5)
-
-    def answer(messages, n):
-        ids = tok.encode(template.render(messages, add_generation_prompt=True, enable_thinking=False))
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        return tok.decode(out[0, len(ids):].tolist())
-    return answer
+    return greedy_answer(tiny_qwen3_5)
 
 
 def test_greedy_answers_and_a_follow_up_turn(client, reference):
