@@ -6,10 +6,15 @@ Policies:
   file whose content is refused, naming the file, the tensor or key and the problem: invalid, inconsistent,
   or a tensor type the kernels do not serve; 1 otherwise).
 - Serving binds first (so /health answers 503 "Loading model" while the model loads, as does every request that
-  needs the model), then loads the model on the engine thread; until it is loaded (or has failed) a connection
-  the event loop leaves waiting (the load's native code holds the GIL) is answered by the server's GIL-free
-  busy responder (h11_server.answer_while_busy) with the same 503. Under systemd (Type=notify) READY=1 goes
-  out once the model is loaded, WATCHDOG=1 pings come from the event loop, STOPPING=1 at the first signal.
+  needs the model) and starts the server's GIL-free busy responder (h11_server.answer_while_busy), which answers
+  any connection the event loop leaves waiting with the same 503 until the model is loaded (or has failed).
+  The load's first part, which holds the GIL in native calls for up to seconds (the tokenizers library's BPE
+  build, llguidance's grammar table), runs before the event loop exists (_read_ahead): meanwhile the responder
+  answers everything, and so the loop, once it runs, is never held by the load (its lag stays that of the
+  machine). The rest (layers, caches, warm-up) runs on the engine thread beside the loop. Under systemd
+  (Type=notify) READY=1 goes out once the model is loaded, WATCHDOG=1 pings come from the busy responder's
+  thread until the loop runs and from the event loop from then on, STOPPING=1 at the first signal (one during
+  the load's first part ends the process, exit 0, once the native call it meets returns).
 - SIGTERM/SIGINT: stop accepting, send queued requests away (503 server_shutdown), let running ones finish
   within --grace seconds, then end them with a `server_shutdown` error (streams: an error event and the end
   of the body), exit 0 within grace + 2 s. If the engine thread is still inside a native call by then, the
@@ -220,23 +225,77 @@ def load_options(args: argparse.Namespace):
                        pooling=args.pooling, draft_model=args.draft_model)
 
 
-def _load(args: argparse.Namespace, serving: bool = False):
-    """The model, warmed up; for serving also its structured-output tables (work that holds the GIL, done
-    while /health says loading rather than in the first request that needs them)."""
-    from .engine.load import load_model
+def _read(args: argparse.Namespace):
+    """The first part of the load (engine/load.read_model): the checkpoint read and checked, its tokenizer
+    built."""
+    from .engine.load import read_model
     from .engine.load.phases import process_age
     began = process_age()
-    loaded = load_model(args.model, load_options(args))
-    loaded.phases.began_at_age = began
-    loaded.engine.warm_up()
-    loaded.phases.mark("warm-up")
-    if serving and loaded.kind == "generate":  # embedding models and rerankers have no output constraints
+    read = read_model(args.model, load_options(args))
+    read.phases.began_at_age = began
+    return read
+
+
+def _grammar_table(read) -> None:
+    """A generative model's structured-output table (work that holds the GIL, done while /health says loading
+    rather than in the first request that needs it)."""
+    if read.generates:  # embedding models and rerankers have no output constraints
         from .engine.constraint import build_grammar_tokenizer
         from .native.busy_responder import GIL_BOUND
+        ckpt = read.checkpoint
         with GIL_BOUND.section("grammar table"):  # llguidance holds the GIL throughout
-            build_grammar_tokenizer(loaded)
-        loaded.phases.mark("grammar table")
+            build_grammar_tokenizer(ckpt.tokenizer, ckpt.model.config.vocab_size, ckpt.eos_ids)
+        read.phases.mark("grammar table")
+
+
+def _finish(read):
+    """The rest of the load: layers, caches, the Engine, warmed up."""
+    from .engine.load import finish_model
+    loaded = finish_model(read)
+    loaded.engine.warm_up()
+    loaded.phases.mark("warm-up")
     return loaded
+
+
+def _load(args: argparse.Namespace, serving: bool = False):
+    """The model, warmed up; for serving also its structured-output table."""
+    read = _read(args)
+    if serving:
+        _grammar_table(read)
+    return _finish(read)
+
+
+class _Signalled(BaseException):
+    """SIGTERM / SIGINT while the load's first part runs before the event loop (_read_ahead)."""
+
+
+def _read_ahead(args: argparse.Namespace, ahead: dict) -> str | None:
+    """The load's GIL-bound part (the read with its tokenizer build, the grammar table) in this thread before
+    the event loop exists: ahead["read"], or ahead["error"] for the engine thread to raise. A SIGTERM or SIGINT
+    meanwhile ends it (once the native call it interrupts returns); returns that signal's name."""
+    got: list[str] = []
+    armed = [True]
+
+    def on_signal(sig, frame) -> None:
+        got.append(signal.Signals(sig).name)
+        if armed[0]:
+            raise _Signalled()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        try:
+            read = _read(args)
+            _grammar_table(read)
+            ahead["read"] = read
+        except _Signalled:
+            pass
+        except Exception as e:  # the engine thread raises it: reported as any load failure (on_loaded)
+            ahead["error"] = e
+        armed[0] = False
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return got[0] if got else None
 
 
 def start_done() -> None:
@@ -304,17 +363,27 @@ def run_prompt(args: argparse.Namespace) -> int:
 
 # ---- serving --------------------------------------------------------------------------------------------
 
-async def serve(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
+def serve(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
+    """Bind, answer 503 Loading model from the busy responder's thread (which also feeds systemd's watchdog),
+    run the load's GIL-bound part (_read_ahead) before the event loop exists, then the loop, with the rest of
+    the load on the engine thread. Without the native library (no busy responder) the whole load runs on the
+    engine thread, beside the loop."""
     import trio
 
     from . import systemd
     from .engine.load import model_name
-    from .engine.load.phases import startup_line
     from .h11_server import HttpServer, ServerConfig
     from .server.app import Api, ApiConfig, loading_response
     from .server.worker import Worker
 
-    worker = Worker(load=lambda: _load(args, serving=True), queue_limit=args.queue)
+    ahead: dict = {}
+
+    def load():
+        if "error" in ahead:
+            raise ahead["error"]
+        return _finish(ahead["read"]) if "read" in ahead else _load(args, serving=True)
+
+    worker = Worker(load=load, queue_limit=args.queue)
     api = Api(worker, ApiConfig(model_name=model_name(args.model), api_keys=keys,
                                 extension_events=args.extension_events, image_dirs=tuple(args.image_dir),
                                 web=not args.no_web, cors_origins=args.cors_origins,
@@ -322,11 +391,33 @@ async def serve(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
     server = HttpServer(ServerConfig(host=args.host, port=args.port, grace_period=args.grace,
                                      board_name=board_name(args.board_name)), api)
     try:
-        await server.listen()
+        server.bind()
     except OSError as e:
         raise CliError(e.strerror or str(e)) from None
     if not server.answer_while_busy(*loading_response()):
         log.info("no native library: while the model loads, only the event loop answers")
+    interval, address = systemd.watchdog_interval(), systemd.notify_address()
+    if server.busy_answers and interval is not None and address is not None:
+        server.busy_watchdog(address, interval)
+    log.info("listening on %s", ", ".join(f"http://{host_port(args.host, p)}" for p in server.ports))
+    if server.busy_answers:
+        signalled = _read_ahead(args, ahead)
+        if signalled is not None:
+            log.info("%s during the load: shutting down", signalled)
+            systemd.notify_stopping(f"{signalled} during the load")
+            server.close_now()
+            return 0
+    return trio.run(serve_loop, args, worker, api, server)
+
+
+async def serve_loop(args: argparse.Namespace, worker, api, server) -> int:
+    """The event loop's part of serving: signals, the rest of the load, readiness, the watchdog, requests."""
+    import trio
+
+    from . import systemd
+    from .engine.load import model_name
+    from .engine.load.phases import startup_line
+
     status = 0
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
@@ -363,16 +454,18 @@ async def serve(args: argparse.Namespace, keys: tuple[str, ...]) -> int:
 
             async def watchdog() -> None:  # pings prove the event loop itself is alive
                 interval = systemd.watchdog_interval()
-                while interval is not None:
+                if interval is not None:
                     systemd.notify_watchdog()
+                    server.busy_watchdog(None)  # the busy responder's thread pinged until now
+                while interval is not None:
                     await trio.sleep(interval)
+                    systemd.notify_watchdog()
 
             nursery.start_soon(on_signals)
             nursery.start_soon(on_loaded)
             nursery.start_soon(watchdog)
             nursery.start_soon(api.loop_lag.run)
             await worker.start()
-            log.info("listening on %s", ", ".join(f"http://{host_port(args.host, p)}" for p in server.ports))
             await server.serve()
             nursery.cancel_scope.cancel()
     worker.stop(timeout=ENGINE_STOP_S)
@@ -410,8 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.prompt is not None:
             return run_prompt(args)
         keys = _read_keys(args)
-        import trio
-        return trio.run(serve, args, keys)
+        return serve(args, keys)
     except CliError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return e.status

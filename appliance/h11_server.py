@@ -40,6 +40,7 @@ from __future__ import annotations
 import errno
 import logging
 import math
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -516,17 +517,37 @@ class HttpServer:
         self.ports: list[int] = []
         self._accepting = trio.CancelScope()
         self._busy = BusyResponder(BUSY_GRACE_S)
+        self._bound: list[socket.socket] = []       # the listeners' sockets (bind)
 
-    async def listen(self) -> None:
-        """Bind now (errors surface here: port in use, bad host). Records the bound ports."""
+    def bind(self) -> None:
+        """Bind now, with or without a running event loop (errors surface here: port in use, bad host), as
+        trio.open_tcp_listeners does: every address the host resolves to, SO_REUSEADDR, IPv6 sockets v6-only.
+        Records the bound ports."""
+        socks: list[socket.socket] = []
         try:
-            self.listeners = await trio.open_tcp_listeners(self.cfg.port, host=self.cfg.host)
+            for family, kind, proto, _, addr in socket.getaddrinfo(self.cfg.host, self.cfg.port, type=socket.SOCK_STREAM,
+                                                                   flags=socket.AI_PASSIVE):
+                sock = socket.socket(family, kind, proto)
+                socks.append(sock)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(addr)
+                sock.listen(0xFFFF)  # the kernel caps it at somaxconn
         except OSError as e:
+            for sock in socks:
+                sock.close()
             if e.errno == errno.EADDRINUSE:
                 raise OSError(e.errno, f"cannot listen on {self.cfg.host}:{self.cfg.port}: address already in use"
                               ) from None
             raise OSError(e.errno, f"cannot listen on {self.cfg.host}:{self.cfg.port}: {e.strerror or e}") from None
+        self._bound = socks
+        self.listeners = [trio.SocketListener(trio.socket.from_stdlib_socket(sock)) for sock in socks]
         self.ports = [ln.socket.getsockname()[1] for ln in self.listeners]
+
+    async def listen(self) -> None:
+        """bind() from inside the event loop."""
+        self.bind()
 
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Accept until shutdown() is called; returns when every connection has ended."""
@@ -581,6 +602,11 @@ class HttpServer:
             GIL_BOUND.watch(lambda: len(self.connections))
         return started
 
+    def busy_watchdog(self, address: bytes | None, interval_s: float = 0.0) -> int:
+        """While the busy answers run, systemd's WATCHDOG=1 to `address` every `interval_s` from their thread
+        (BusyResponder.watchdog); None: off (the event loop pings), the count of pings it sent."""
+        return self._busy.watchdog(address, interval_s)
+
     @property
     def busy_answers(self) -> bool:
         """Between answer_while_busy and stop_busy_answers."""
@@ -592,6 +618,14 @@ class HttpServer:
             return 0
         GIL_BOUND.watch(None)
         return await trio.to_thread.run_sync(self._busy.stop)
+
+    def close_now(self) -> None:
+        """Without an event loop (a signal before it ran): end the busy answers, close the listening sockets."""
+        self._busy.watchdog(None)
+        self._busy.stop()
+        GIL_BOUND.watch(None)
+        for sock in self._bound:  # trio's own close needs the loop
+            sock.close()
 
     async def shutdown(self, grace_period: float | None = None) -> None:
         """Stop accepting; idle connections close now, busy ones get the grace period, then are cancelled."""

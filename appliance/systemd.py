@@ -14,6 +14,7 @@ Server side, the whole API:
     notify_ready()            once the model is loaded and the socket listens
     watchdog_interval()       seconds between pings, or None when the unit has no WatchdogSec=
     notify_watchdog()         every watchdog_interval() seconds, from a task that proves the loop is alive
+                              (before the loop runs, the busy responder's thread pings: notify_address())
     notify_stopping()         when shutdown begins (SIGTERM)
 """
 from __future__ import annotations
@@ -29,6 +30,13 @@ def _address() -> str | None:
     if not addr or addr[0] not in "/@":
         return None
     return "\0" + addr[1:] if addr[0] == "@" else addr  # '@' marks a Linux abstract socket
+
+
+def notify_address() -> bytes | None:
+    """$NOTIFY_SOCKET as a sendto address (a leading NUL for an abstract one), None when there is none: for
+    the busy responder's native watchdog (h11_server.busy_watchdog)."""
+    addr = _address()
+    return None if addr is None else os.fsencode(addr)
 
 
 def notify(state: str) -> bool:

@@ -115,14 +115,15 @@ def grammar_tokenizer(tokenizer, vocab_size: int, eos_ids: Iterable[int]):
         return entry[1]
 
 
-def build_grammar_tokenizer(loaded) -> None:
-    """Build a loaded model's grammar tokenizer now. The server does it while the model loads: llguidance's
-    LLTokenizer holds the GIL throughout (0.3-1 s for SmolLM2's 49,152 tokens, seconds for Qwen3's), so built
-    by the first request with an output format it stalled the event loop (/health, every other client's
-    stream) that long. A tokenizer llguidance cannot take does not stop the model from serving: the first
-    structured request meets the error again."""
+def build_grammar_tokenizer(tokenizer, vocab_size: int, eos_ids: Iterable[int]) -> None:
+    """Build a model's grammar tokenizer now (its model's config.vocab_size and EOS ids). The server does it
+    while the model loads, before its event loop starts (cli.serve): llguidance's LLTokenizer holds the GIL
+    throughout (0.3-1 s for SmolLM2's 49,152 tokens, seconds for Qwen3's), so built by the first request with
+    an output format it stalled the event loop (/health, every other client's stream) that long. A tokenizer
+    llguidance cannot take does not stop the model from serving: the first structured request meets the
+    error again."""
     try:
-        grammar_tokenizer(loaded.tokenizer, loaded.engine.model.config.vocab_size, loaded.eos_ids)
+        grammar_tokenizer(tokenizer, vocab_size, eos_ids)
     except Exception as e:  # llguidance's own errors (ValueError, RuntimeError) about this tokenizer
         log.warning("structured output's tokenizer table could not be built: %s", e)
 

@@ -8,7 +8,9 @@ the backlog after `grace_s` (the event loop takes one within a millisecond when 
 answered with one fixed response, then closed. Only the start and the stop are Python calls (ctypes releases
 the GIL in both). It uses the kernel library's file (library_path.py, as native/kernels.py does (KESTREL_NATIVE=0,
 which turns the kernels off, does not matter here)); without the library there is no responder and the event
-loop answers alone, as before.
+loop answers alone, as before. While it runs it can also feed systemd's watchdog (`watchdog(address,
+interval_s)`, WATCHDOG=1 datagrams from the same thread): the server does the load's GIL-bound steps before its
+event loop starts, and the loop's own pings take over (`watchdog(None)`) once it runs.
 """
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ def _library() -> ctypes.CDLL | None:
                                           ctypes.c_int64]
             lib.kq_busy_stop.restype = ctypes.c_int64
             lib.kq_busy_stop.argtypes = []
+            lib.kq_busy_watchdog.restype = ctypes.c_int64
+            lib.kq_busy_watchdog.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
         except (OSError, AttributeError):
             return None
         _lib = lib
@@ -63,6 +67,20 @@ class BusyResponder:
             raise OSError(-err, f"busy responder: {os.strerror(-err)}")
         self.running = True
         return True
+
+    def watchdog(self, address: bytes | None, interval_s: float = 0.0) -> int:
+        """While the thread runs, WATCHDOG=1 to the AF_UNIX datagram `address` (as for sendto; a leading NUL:
+        abstract) every `interval_s`; None turns it off and returns the pings sent meanwhile. 0 without the
+        library."""
+        lib = _library()
+        if lib is None:
+            return 0
+        if address is None or interval_s <= 0:
+            return int(lib.kq_busy_watchdog(None, 0, 0))
+        err = int(lib.kq_busy_watchdog(address, len(address), max(1, int(interval_s * 1000))))
+        if err < 0:
+            raise OSError(-err, f"busy responder watchdog: {os.strerror(-err)}")
+        return 0
 
     def stop(self) -> int:
         """Join the thread (within ~1 s: the connection it is answering, if any); the count it answered."""

@@ -4,6 +4,7 @@ holding the GIL does not delay it; stop() joins it and counts what it answered. 
 watched connections to end (bounded)."""
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -89,3 +90,43 @@ def test_gil_bound_section_waits_for_open_connections_within_drain():
     t0 = time.monotonic()
     with sections.section("unwatched"):
         assert time.monotonic() - t0 < 0.05
+
+
+@pytest.mark.parametrize("abstract", [False, True])
+def test_watchdog_pings_from_the_thread_while_this_one_holds_the_gil(tmp_path, abstract):
+    """WATCHDOG=1 datagrams to the notify socket (a path or an abstract name) while the GIL is held; off returns
+    the count sent, and no ping comes after it."""
+    name = ("\0kestrel-test-%d" % os.getpid()) if abstract else str(tmp_path / "notify")
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(name)
+    s = listening()
+    r = br.BusyResponder(grace_s=0.05)
+    shuffled = [(i * 7919) % 1_000_003 for i in range(3_000_000)]
+    try:
+        r.watchdog(os.fsencode(name), 0.02)
+        assert r.start([s.fileno()], RESPONSE)
+        t0 = time.monotonic()
+        shuffled.sort()  # one C call holding the GIL
+        held = time.monotonic() - t0
+        got = []
+        notify.setblocking(False)
+        while True:
+            try:
+                got.append(notify.recv(64))
+            except BlockingIOError:
+                break
+        sent = r.watchdog(None)
+        assert held > 0.2 and set(got) == {b"WATCHDOG=1"}, (held, got)
+        assert len(got) >= 3 and sent >= len(got), (held, len(got), sent)
+        time.sleep(0.1)
+        with pytest.raises(BlockingIOError):
+            notify.recv(64)
+    finally:
+        r.stop()
+        s.close()
+        notify.close()
+
+
+def test_watchdog_refuses_an_address_too_long():
+    with pytest.raises(OSError):
+        br.BusyResponder().watchdog(b"/" + b"x" * 200, 0.1)

@@ -27,7 +27,7 @@ from appliance.server.worker import Worker
 def serving_model(model_dir: str, ctx: int | None, prefill_chunk: int):
     """The model loaded as the server loads it (cli serve; without the warm-up pass)."""
     loaded = load_model(model_dir, context_length=ctx, prefill_chunk=prefill_chunk)
-    build_grammar_tokenizer(loaded)
+    build_grammar_tokenizer(loaded.tokenizer, loaded.engine.model.config.vocab_size, loaded.eos_ids)
     return loaded
 
 

@@ -9,11 +9,22 @@ the GIL for 1-2 s each, where the event loop used to wait them out (without the 
 KESTREL_NATIVE_LIB pointing nowhere, 40-100 probes are late by 1-5 s). Late means answered after LATE_S, a
 bound a loaded 2-core machine keeps (the answers take milliseconds); what is asserted is the count of late
 answers: none.
+
+The event loop itself and systemd's watchdog, in the same run: the server starts under a fake systemd (a
+datagram socket as $NOTIFY_SOCKET, WATCHDOG_USEC for a ping every WATCHDOG_INTERVAL_S). Both used to stop for
+the GIL-holding calls, the loop's wake-ups late by their 1-2 s and the watchdog pings, which the loop sends,
+with a gap as long. Counted, not timed: the loop's wake-ups later than 100 ms during the load (the server's own
+kestrel_event_loop_stalls_total, read once it is ready: at most LOOP_STALLS_ALLOWED, a loaded machine's odd
+one), and the gaps over WATCHDOG_GAP_S (ten intervals) between consecutive pings from the first to READY=1
+(none).
 """
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +39,9 @@ PERIOD_S = 0.05
 LATE_S = 1.0
 LATE_ALLOWED = 0
 N_VOCAB = 450_000
+WATCHDOG_INTERVAL_S = 0.1
+WATCHDOG_GAP_S = 1.0
+LOOP_STALLS_ALLOWED = 1
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +95,53 @@ def probe_until_ready(port: int, timeout: float) -> list[tuple[float, int, dict 
     return sorted(answers)
 
 
-def test_health_answers_promptly_throughout_a_load(slow_loading_model):
+class FakeSystemd:
+    """A $NOTIFY_SOCKET that records every datagram with the time it arrived."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(path)
+        self.sock.settimeout(0.2)
+        self.got: list[tuple[float, str]] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._receive, daemon=True)
+        self.thread.start()
+
+    def _receive(self) -> None:
+        while not self.stop.is_set():
+            try:
+                data = self.sock.recv(4096)
+            except socket.timeout:
+                continue
+            self.got.append((time.monotonic(), data.decode()))
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close()
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in ("WATCHDOG_PID", "LISTEN_FDS")}
+        return {**env, "NOTIFY_SOCKET": self.path, "WATCHDOG_USEC": str(int(WATCHDOG_INTERVAL_S * 2e6))}
+
+
+def metric(port: int, name: str) -> float:
+    c = RawClient(port, timeout=60)
+    try:
+        c.send(request_bytes("GET", "/metrics"))
+        text = c.read_body(c.read_head()).decode()
+    finally:
+        c.close()
+    m = re.search(rf"^{name} (\S+)$", text, re.M)
+    assert m is not None, f"no {name} in /metrics"
+    return float(m.group(1))
+
+
+def test_health_answers_promptly_throughout_a_load(slow_loading_model, tmp_path):
+    systemd = FakeSystemd(str(tmp_path / "notify"))
     proc = subprocess.Popen([sys.executable, "-m", "appliance", "--model", slow_loading_model, "--port", "0"],
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env=systemd.env())
     try:
         port = None
         while port is None:
@@ -98,9 +156,11 @@ def test_health_answers_promptly_throughout_a_load(slow_loading_model):
         chat_thread.start()
         answers = probe_until_ready(port, timeout=180)
         chat_thread.join(60)
+        loop_stalls = metric(port, "kestrel_event_loop_stalls_total")
     finally:
         proc.terminate()
         proc.wait(30)
+        systemd.close()
 
     statuses = [s for _, s, _, _ in answers]
     assert 200 in statuses, "the model never became ready"
@@ -114,3 +174,38 @@ def test_health_answers_promptly_throughout_a_load(slow_loading_model):
     status, body, _ = chat[0]
     assert status == 503, (status, body)
     assert all(s == 200 for s in statuses[first_ok:]), statuses[first_ok:]
+
+    ready = [t for t, msg in systemd.got if msg.startswith("READY=1")]
+    assert len(ready) == 1, systemd.got
+    pings = [t for t, msg in systemd.got if msg == "WATCHDOG=1" and t <= ready[0]]
+    assert len(pings) >= 10, f"only {len(pings)} watchdog pings before READY=1"
+    gaps = [round(b - a, 2) for a, b in zip(pings, pings[1:]) if b - a > WATCHDOG_GAP_S]
+    assert not gaps, f"{len(gaps)} gaps over {WATCHDOG_GAP_S} s between the {len(pings)} watchdog pings of the load: {gaps}"
+    assert loop_stalls <= LOOP_STALLS_ALLOWED, (
+        f"the event loop woke up more than 100 ms late {loop_stalls:.0f} times during the load")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_the_load_ends_the_server_with_status_0(slow_loading_model, sig):
+    """A signal while the load's first part (the tokenizer's build, before the event loop runs) holds the
+    interpreter: the process ends, exit 0, once the native call returns."""
+    proc = subprocess.Popen([sys.executable, "-m", "appliance", "--model", slow_loading_model, "--port", "0"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        port = None
+        while port is None:
+            line = proc.stderr.readline()
+            assert line, "the server exited before listening"
+            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+            port = int(m.group(1)) if m else None
+        status, body, _ = ask(port, "GET", "/health")
+        assert status == 503, (status, body)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert proc.returncode == 0, err
+    assert f"{sig.name} during the load: shutting down" in err, err
+    assert "Traceback" not in err, err

@@ -135,8 +135,34 @@ def model_name(path: str) -> str:
     return os.path.basename(os.path.abspath(path).rstrip("/")) or "model"
 
 
+@dataclass
+class ModelRead:
+    """The first part of a load (read_model): the checkpoint (and draft) read and checked, not yet run.
+    `finish_model` turns it into the LoadedModel. The server reads before its event loop starts: the read
+    holds the load's GIL-bound native calls (the tokenizer's build)."""
+    path: str
+    options: LoadOptions
+    checkpoint: Checkpoint
+    draft: Checkpoint | None
+    phases: Phases
+
+    @property
+    def generates(self) -> bool:
+        """A text generation model (not an embedding model or a reranker: model_task would say None)."""
+        return self.options.task is None and not (self.checkpoint.task_hint or {}).get("kind")
+
+
 def load_model(path: str, options: LoadOptions | None = None, **overrides) -> LoadedModel:
     """A model path -> LoadedModel. `overrides` are LoadOptions fields (load_model(p, context_length=256))."""
+    return finish_model(read_model(path, options, **overrides))
+
+
+def finish_model(read: ModelRead) -> LoadedModel:
+    return finish(read.path, read.checkpoint, read.options, read.phases, read.draft)
+
+
+def read_model(path: str, options: LoadOptions | None = None, **overrides) -> ModelRead:
+    """The checkpoint at `path` (and options.draft_model's) read and checked: load_model up to `finish`."""
     options = replace(options or LoadOptions(), **overrides)
     if options.kv_type not in KV_TYPES:
         raise ModelLoadError(f"KV cache type {options.kv_type!r} is not supported (supported: {', '.join(KV_TYPES)})")
@@ -154,7 +180,7 @@ def load_model(path: str, options: LoadOptions | None = None, **overrides) -> Lo
         raise UnsafeTemplate(f"cannot load {path}: {e}") from None
     phases.mark("chat template check")
     draft = read_draft(options.draft_model, ckpt, options, phases) if options.draft_model else None
-    return finish(path, ckpt, options, phases, draft)
+    return ModelRead(path, options, ckpt, draft, phases)
 
 
 def read_checkpoint(path: str, options: LoadOptions, phases: Phases, what: str = "model path") -> Checkpoint:

@@ -8,7 +8,12 @@
 
    Bounds: one connection at a time; each gets at most ~1 s (the request head, up to 16 KiB, a declared body up
    to 1 MiB discarded, the response), so a client that stalls cannot keep the thread for longer. The caller
-   keeps the listening sockets open until kq_busy_stop() has returned. */
+   keeps the listening sockets open until kq_busy_stop() has returned.
+
+   The watchdog (kq_busy_watchdog): while set, this thread also sends systemd's "WATCHDOG=1" datagram to the
+   notify socket every interval_ms (the server runs the load's GIL-bound steps before its event loop exists,
+   and the event loop's own pings take over once it runs), so the pings prove that what answers the service's
+   connections is alive. Sending never blocks; a datagram that cannot go is dropped, as systemd.py does. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <poll.h>
@@ -17,7 +22,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <stddef.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -45,6 +52,56 @@ static long now_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static struct {
+    pthread_mutex_t lock;
+    int fd;                /* the datagram socket, -1 until set */
+    struct sockaddr_un addr;
+    socklen_t len;
+    int interval_ms;       /* 0: off */
+    long next;             /* when the next ping is due (now_ms) */
+    int64_t sent;
+} wd = {.lock = PTHREAD_MUTEX_INITIALIZER, .fd = -1};
+
+static void watchdog_tick(long now) {
+    static const char ping[] = "WATCHDOG=1";
+    pthread_mutex_lock(&wd.lock);
+    if (wd.interval_ms > 0 && now >= wd.next) {
+        if (sendto(wd.fd, ping, sizeof ping - 1, MSG_DONTWAIT | MSG_NOSIGNAL, (struct sockaddr *)&wd.addr,
+                   wd.len) >= 0)
+            wd.sent++;
+        wd.next = now + wd.interval_ms;
+    }
+    pthread_mutex_unlock(&wd.lock);
+}
+
+int64_t kq_busy_watchdog(const char *addr, int addr_len, int interval_ms) {
+    pthread_mutex_lock(&wd.lock);
+    int64_t out = 0;
+    if (addr == NULL || interval_ms <= 0) {  /* off: the pings sent since it was set */
+        out = wd.sent;
+        wd.interval_ms = 0;
+        wd.sent = 0;
+        if (wd.fd >= 0) close(wd.fd);
+        wd.fd = -1;
+    } else if (addr_len <= 0 || (size_t)addr_len > sizeof wd.addr.sun_path) {
+        out = -EINVAL;
+    } else {
+        if (wd.fd < 0) wd.fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+        if (wd.fd < 0) {
+            out = -errno;
+        } else {
+            memset(&wd.addr, 0, sizeof wd.addr);
+            wd.addr.sun_family = AF_UNIX;
+            memcpy(wd.addr.sun_path, addr, (size_t)addr_len);  /* a leading NUL: an abstract address */
+            wd.len = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + (size_t)addr_len);
+            wd.interval_ms = interval_ms;
+            wd.next = 0;  /* the first ping at the thread's next look */
+        }
+    }
+    pthread_mutex_unlock(&wd.lock);
+    return out;
 }
 
 /* Wait until c is readable or the deadline passes; 1 when readable. */
@@ -122,6 +179,7 @@ static void *busy_main(void *arg) {
     long waiting_since[BUSY_MAX_FDS] = {0};
     struct pollfd p[BUSY_MAX_FDS];
     while (!atomic_load(&busy.stop)) {
+        watchdog_tick(now_ms());
         int pending = 0;
         for (int i = 0; i < busy.nfds; i++) {
             p[i] = (struct pollfd){.fd = busy.fds[i], .events = POLLIN};

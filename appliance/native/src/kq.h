@@ -98,5 +98,9 @@ int64_t kq_test_fail_alloc(int64_t n);
  * open until then) and returns how many connections it answered. */
 int kq_busy_start(const int *fds, int nfds, int grace_ms, const char *response, int64_t response_len);
 int64_t kq_busy_stop(void);
+/* The busy responder's watchdog: while it runs, "WATCHDOG=1" to the AF_UNIX datagram address `addr` (addr_len
+ * bytes, a leading NUL for an abstract one) every interval_ms. addr NULL or interval_ms <= 0 turns it off and
+ * returns the pings sent since it was set; otherwise 0 or -errno. */
+int64_t kq_busy_watchdog(const char *addr, int addr_len, int interval_ms);
 
 #endif
