@@ -6,13 +6,13 @@ from __future__ import annotations
 import ctypes
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
-ABI_VERSION = 6
+ABI_VERSION = 7
 LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
 VECTORS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "q_bias", "k_bias", "v_bias")
 
 
 class Linear(ctypes.Structure):  # kq_linear
-    _fields_ = [("qtype", _I32), ("pad", _I32), ("w", _P), ("rows", _I64), ("n", _I64)]
+    _fields_ = [("qtype", _I32), ("pad", _I32), ("w", _P), ("rows", _I64), ("n", _I64), ("nbytes", _I64)]
 
 
 class Layer(ctypes.Structure):  # kq_layer
@@ -28,7 +28,7 @@ class MoE(ctypes.Structure):  # kq_moe
     _fields_ = [("n_experts", _I64), ("top_k", _I64), ("hidden", _I64), ("inter", _I64),
                 ("norm_topk", _I32), ("gate_qtype", _I32), ("up_qtype", _I32),
                 ("down_qtype", _I32), ("router", _P), ("gate", _P), ("up", _P), ("down", _P),
-                ("counts", _P)]
+                ("counts", _P), ("gate_bytes", _P), ("up_bytes", _P), ("down_bytes", _P)]
 
 
 STRUCTS = (Linear, Layer, Model, MoE)  # kq_struct_size(i) is the C size of STRUCTS[i]

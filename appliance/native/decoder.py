@@ -55,7 +55,7 @@ class NativeDecoder:
                 qtype, a = spec[name]
                 self._keep.append(a)
                 shape = spec[name + "_shape"]
-                setattr(arr[i], name, _Linear(int(qtype), 0, a.ctypes.data, shape[0], shape[1]))
+                setattr(arr[i], name, _Linear(int(qtype), 0, a.ctypes.data, shape[0], shape[1], a.nbytes))
             for name in _VECTORS:
                 v = spec.get(name)
                 if v is not None:
@@ -159,6 +159,8 @@ class NativeDecoder:
                     layer_done(i)
         if rc == -2:  # the first failing status, as kq_forward returns it
             raise MemoryError("native forward: the native library could not allocate its scratch memory")
+        if rc == -1:  # checked here first: a spec or size the C side's own checks refuse
+            raise ValueError("native forward: the native library refused the layers' specs or sizes (-1)")
         if rc != 0:
             raise RuntimeError(f"native forward failed ({rc})")
         for ffn, on_counts in self._moe:  # each MoE layer ran once over the T tokens

@@ -385,7 +385,7 @@ class MoEFFN:
         if not 0 < top_k <= E:
             raise ValueError("top_k must be in 1..n_experts")
         self._keep = [self.router]
-        ptrs, shapes = [], []
+        ptrs, shapes, sizes = [], [], []
         for qtype, mats in (gate, up, down):
             qtype = QType(int(qtype))
             if len(mats) != E:
@@ -397,16 +397,18 @@ class MoEFFN:
                 shapes.append((w.shape[0], n))
             self._keep += rows
             ptrs.append((_P * E)(*[w.ctypes.data for w in rows]))
+            sizes.append((_I64 * E)(*[w.nbytes for w in rows]))
         I = shapes[0][0]
         if any(sh != (I, D) for sh in shapes[:2 * E]) or any(sh != (D, I) for sh in shapes[2 * E:]) or not (I and D):
             raise ValueError("expert matrices do not all have the shapes (inter, hidden) / (hidden, inter), "
                              "both positive")
         self.counts = np.zeros(E, np.int32)
         self.shape = (E, D, I)
-        self._ptrs = ptrs
+        self._ptrs, self._sizes = ptrs, sizes
         self._c = abi.MoE(E, top_k, D, I, int(bool(norm_topk)), int(gate[0]), int(up[0]), int(down[0]),
                        self.router.ctypes.data, ctypes.addressof(ptrs[0]), ctypes.addressof(ptrs[1]),
-                       ctypes.addressof(ptrs[2]), self.counts.ctypes.data)
+                       ctypes.addressof(ptrs[2]), self.counts.ctypes.data, ctypes.addressof(sizes[0]),
+                       ctypes.addressof(sizes[1]), ctypes.addressof(sizes[2]))
 
     @property
     def address(self) -> int:

@@ -297,3 +297,48 @@ def test_native_decoder_refuses_mismatched_arrays(data, T, seed):
     ]
     expect_each([(ValueError, call) for call in cases])
     still_correct(rng)
+
+
+@fuzz(40)
+@given(data=st.data(), seed=SEEDS)
+def test_the_c_side_refuses_a_weight_whose_bytes_do_not_match_its_shape(data, seed):
+    """Python checks every spec first (above); the C side checks again, itself: kq_forward refuses (-1, a
+    ValueError) a linear whose (rows, n) is not the model's or whose byte count is not rows x n of its type,
+    before anything runs (the cache stays untouched), and kq_moe_ffn an expert matrix whose byte count is not
+    its shape's. The specs are bent in their ctypes structs, past the Python checks; set back, both compute
+    as before."""
+    from appliance.engine import qwen3
+    from appliance.native.abi import LINEARS
+    draw, rng = data.draw, np.random.default_rng(seed)
+    m, dec = tiny_decoder()
+    h, (cos, sin) = f32(rng, 1, 64), qwen3.rope_cos_sin(np.arange(1), 16, 10000.0)
+    want = dec.forward_layers(h, m.new_cache(16), cos, sin)
+    lin = getattr(dec._layers[draw(st.integers(0, 1))], draw(st.sampled_from(LINEARS)))
+    field = draw(st.sampled_from(["nbytes", "rows", "n"]))
+    saved = getattr(lin, field)
+    setattr(lin, field, saved + draw(st.sampled_from([-34, -1, 1, 8, 34, 1 << 20])))
+    cache = m.new_cache(16)
+    try:
+        with pytest.raises(ValueError, match="refused"):
+            dec.forward_layers(h, cache, cos, sin)
+    finally:
+        setattr(lin, field, saved)
+    assert not any(a.any() for a in (*cache.k, *cache.v)), "a layer ran before the refusal"
+    np.testing.assert_array_equal(dec.forward_layers(h, m.new_cache(16), cos, sin), want)
+
+    q = draw(st.sampled_from([QType.Q8_0, QType.Q4_0, QType.F32]))
+    E, D, I = draw(st.integers(1, 3)), 32, 64
+    mats = [(q, [random_weight(q, r, c, rng) for _ in range(E)]) for r, c in ((I, D), (I, D), (D, I))]
+    router, x = f32(rng, E, D), f32(rng, 2, D)
+    ffn = kernels.MoEFFN(router, 1, True, *mats)
+    want = ffn(x)
+    np.testing.assert_allclose(want, ops_numpy.moe_ffn(x, router, 1, True, *mats), rtol=1e-4, atol=1e-3)
+    sizes, e = ffn._sizes[draw(st.integers(0, 2))], draw(st.integers(0, E - 1))
+    saved = sizes[e]
+    sizes[e] = saved + draw(st.sampled_from([-1, 1, 34, -saved]))
+    try:
+        with pytest.raises(ValueError, match="refused"):
+            ffn(x)
+    finally:
+        sizes[e] = saved
+    np.testing.assert_array_equal(ffn(x), want)

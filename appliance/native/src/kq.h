@@ -50,9 +50,10 @@ typedef struct {
     const float *router;                                       /* (n_experts, hidden) */
     const uint8_t *const *gate, *const *up, *const *down;      /* per expert: (inter, hidden) x2, (hidden, inter) */
     int32_t *counts;                                           /* out, may be NULL: tokens per expert last call */
+    const int64_t *gate_bytes, *up_bytes, *down_bytes;         /* per expert: its matrix's bytes (checked) */
 } kq_moe;
 int kq_moe_ffn(const kq_moe *m, const float *x, int64_t T, float *out);
-typedef struct { int32_t qtype, pad; const uint8_t *w; int64_t rows, n; } kq_linear;
+typedef struct { int32_t qtype, pad; const uint8_t *w; int64_t rows, n, nbytes; } kq_linear; /* nbytes: of w (checked) */
 typedef struct {
     kq_linear q, k, v, o, gate, up, down;
     const float *attn_norm, *mlp_norm, *q_norm, *k_norm, *q_bias, *k_bias, *v_bias; /* last 5 may be NULL */
@@ -71,7 +72,9 @@ void kq_swiglu(const float *g, const float *u, int64_t n, float *out);
 int kq_attention(const float *q, const void *kc, const void *vc, int64_t max_len, int64_t T, int64_t S,
                  int64_t H, int64_t KV, int64_t hd, int kv_f16, float *out);
 /* every layer of m over the T tokens h (T, hidden), in place, at positions pos.. of the caches; 0, or the first
- * failing status (-1 refused shape, -2 failed allocation, -3 past max_len): nothing runs after a failure */
+ * failing status (-1 refused shape, -2 failed allocation, -3 past max_len): nothing runs after a failure, and
+ * nothing at all when a linear's (rows, n) is not the model's or its nbytes not rows x n of its type (in its
+ * layout), or an MoE layer's hidden size is not the model's (kq_moe_ffn checks its experts' bytes likewise) */
 int kq_forward(const kq_model *m, void *const *k_cache, void *const *v_cache, int64_t max_len, int kv_f16,
                float *h, int64_t T, int64_t pos, const float *cos, const float *sin);
 

@@ -78,8 +78,14 @@ int kq_moe_ffn(const kq_moe *m, const float *x, int64_t T, float *out) {
     c.rbg = kq_row_bytes(m->gate_qtype, D);
     c.rbu = kq_row_bytes(m->up_qtype, D);
     if (!c.gate_fn || !c.up_fn || !kq_tile_kernel(m->down_qtype, &akd) || !c.rbg || !c.rbu ||
-        !kq_row_bytes(m->down_qtype, I))
+        !kq_row_bytes(m->down_qtype, I) || !m->gate_bytes || !m->up_bytes || !m->down_bytes)
         return -1;
+    const int64_t gate_bytes = I * (int64_t)c.rbg, up_bytes = I * (int64_t)c.rbu,
+                  down_bytes = D * (int64_t)kq_row_bytes(m->down_qtype, I);
+    for (int64_t e = 0; e < E; e++)  /* each expert's matrices hold exactly their shape's bytes */
+        if (m->gate_bytes[e] != gate_bytes || m->up_bytes[e] != up_bytes || m->down_bytes[e] != down_bytes ||
+            !m->gate[e] || !m->up[e] || !m->down[e])
+            return -1;
     c.agb = kq_act_row_bytes(akg, D);
     c.aub = kq_act_row_bytes(aku, D);
     c.nbg = akg == KQ_ACT_Q32 ? D / 32 : akg == KQ_ACT_Q256 ? D / 256 : D;

@@ -162,6 +162,35 @@ static int linear(const kq_linear *L, const float *x, int64_t T, float *out) {
     return kq_matmul(L->qtype, L->w, L->rows, L->n, x, T, out);
 }
 
+/* bytes of `rows` rows of n values of qtype, in the x8 layout when qtype has KQ_X8 (repack.c); 0 when not served */
+static int64_t weight_bytes(int qtype, int64_t rows, int64_t n) {
+    const int q = qtype & ~KQ_X8;
+    const int64_t rb = (int64_t)kq_row_bytes(q, n);
+    if (!(qtype & KQ_X8)) return rows * rb;
+    if (!kq_x8_block_bytes(q)) return 0;
+    return (rows + 7) / 8 * (q == KQ_Q4_K ? rb / 144 * KQ_Q4K_X8_BYTES : rb * 8);
+}
+
+/* the linear is (rows, n) and its weight holds exactly that many bytes of its type */
+static int linear_ok(const kq_linear *L, int64_t rows, int64_t n) {
+    return L->w && L->rows == rows && L->n == n && L->nbytes > 0 && L->nbytes == weight_bytes(L->qtype, rows, n);
+}
+
+static int layers_ok(const kq_model *m) {
+    const int64_t D = m->hidden, qd = m->n_heads * m->head_dim, kd = m->n_kv * m->head_dim, I = m->inter;
+    if (m->n_layers < 0 || (m->n_layers && !m->layers)) return 0;
+    for (int64_t l = 0; l < m->n_layers; l++) {
+        const kq_layer *L = m->layers + l;
+        if (!L->attn_norm || !L->mlp_norm || !linear_ok(&L->q, qd, D) || !linear_ok(&L->k, kd, D) ||
+            !linear_ok(&L->v, kd, D) || !linear_ok(&L->o, D, qd))
+            return 0;
+        if (L->moe ? L->moe->hidden != D
+                   : !linear_ok(&L->gate, I, D) || !linear_ok(&L->up, I, D) || !linear_ok(&L->down, D, I))
+            return 0;
+    }
+    return 1;
+}
+
 /* a failing status returns at once: the layers after it (and the rest of this one) never run on bad values */
 #define TRY(call) do { int rc_ = (call); if (rc_) return rc_; } while (0)
 
@@ -169,7 +198,7 @@ int kq_forward(const kq_model *m, void *const *k_cache, void *const *v_cache, in
                float *h, int64_t T, int64_t pos, const float *cos, const float *sin) {
     const int64_t D = m->hidden, H = m->n_heads, KV = m->n_kv, hd = m->head_dim, I = m->inter;
     if (pos + T > max_len) return -3;
-    if (T <= 0 || pos < 0 || D <= 0 || hd <= 0 || hd % 2 || KV <= 0 || H < KV || H % KV) return -1;
+    if (T <= 0 || pos < 0 || D <= 0 || hd <= 0 || hd % 2 || KV <= 0 || H < KV || H % KV || !layers_ok(m)) return -1;
     const int64_t qd = H * hd, kd = KV * hd;
     size_t need = (size_t)T * (size_t)(2 * D + 2 * qd + 2 * kd + 2 * I) * 4;
     float *base = kq_scratch(1, need);
