@@ -138,17 +138,22 @@ def metric(port: int, name: str) -> float:
     return float(m.group(1))
 
 
+def listening_port(proc: subprocess.Popen) -> int:
+    """The port the CLI logs once its sockets are bound (before the model loads)."""
+    while True:
+        line = proc.stderr.readline()
+        assert line, "the server exited before listening"
+        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+        if m:
+            return int(m.group(1))
+
+
 def test_health_answers_promptly_throughout_a_load(slow_loading_model, tmp_path):
     systemd = FakeSystemd(str(tmp_path / "notify"))
     proc = subprocess.Popen([sys.executable, "-m", "appliance", "--model", slow_loading_model, "--port", "0"],
                             stderr=subprocess.PIPE, text=True, env=systemd.env())
     try:
-        port = None
-        while port is None:
-            line = proc.stderr.readline()
-            assert line, "the server exited before listening"
-            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
-            port = int(m.group(1)) if m else None
+        port = listening_port(proc)
         drain_stderr(proc)
         chat: list = []
         chat_thread = threading.Thread(target=lambda: (time.sleep(1.0), chat.append(
@@ -192,12 +197,7 @@ def test_a_signal_during_the_load_ends_the_server_with_status_0(slow_loading_mod
     proc = subprocess.Popen([sys.executable, "-m", "appliance", "--model", slow_loading_model, "--port", "0"],
                             stderr=subprocess.PIPE, text=True)
     try:
-        port = None
-        while port is None:
-            line = proc.stderr.readline()
-            assert line, "the server exited before listening"
-            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
-            port = int(m.group(1)) if m else None
+        port = listening_port(proc)
         status, body, _ = ask(port, "GET", "/health")
         assert status == 503, (status, body)
         proc.send_signal(sig)
