@@ -28,6 +28,11 @@ def peer_module():
     return _load_script("kestrel_peer", "bench/peer.py")
 
 
+def mtmd_peer_module():
+    """bench/peer_mtmd.py (llama.cpp's mtmd on a text + mmproj pair, in the peer venv)."""
+    return _load_script("kestrel_peer_mtmd", "bench/peer_mtmd.py")
+
+
 def greedy_tokens(lm, prompt: list[int], n: int) -> list[int]:
     """A loaded model's n greedy tokens after prompt: the prompt in one forward, then one token per step (the
     decode kernels), argmax of the logits (no sampler)."""
