@@ -3,7 +3,9 @@ input array may arrive in, and the pool/SIMD configuration an example runs under
 
 Policy: examples are derandomized (the same examples every run, so CI is reproducible) and modest in number;
 KESTREL_FUZZ_SCALE=20 multiplies every test's example count for a long run (the counts are printed with
-`pytest -s`, hypothesis' statistics with `--hypothesis-show-statistics`).
+`pytest -s`, hypothesis' statistics with `--hypothesis-show-statistics`). With KESTREL_KERNEL_DRIVER set the
+wrappers call the library through the test driver (tests/support/kernel_driver.py: the aarch64 NEON build under
+qemu-aarch64, scripts/qemu_aarch64_kernels.sh), and every example checks that they still do.
 """
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import os
 import numpy as np
 from hypothesis import HealthCheck, settings, strategies as st
 
-from appliance.native import kernels
+from tests.support import kernel_driver
 
+kernels = kernel_driver.kernels_under_test()
 SCALE = max(1, int(os.environ.get("KESTREL_FUZZ_SCALE", "1")))
 LEVELS = list(range(kernels.simd_max() + 1)) if kernels.available() else [0]
 
@@ -51,6 +54,8 @@ MACHINES = st.tuples(st.sampled_from(LEVELS), st.integers(1, 3))  # (SIMD level,
 def use(machine: tuple[int, int]) -> None:
     """Run the example's kernels at this SIMD level with this many pool threads."""
     level, threads = machine
+    if kernel_driver.active():  # a module's teardown may have reloaded the host's library: never test that instead
+        assert isinstance(kernels._lib, kernel_driver.DriverLib), "the kernel driver is not the library under test"
     assert kernels.set_simd_level(level) == level
     assert kernels.set_threads(threads) == threads
 

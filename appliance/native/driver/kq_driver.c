@@ -1,81 +1,104 @@
-/* Test driver: serves the kernel entry points over stdin/stdout so the Python tests can exercise a
- * library built for another architecture under qemu user-mode emulation (tests/support/kernel_driver.py).
- * Request: int64 op, then op arguments (int64) and payloads; reply: int64 byte count, then the bytes. */
+/* Test driver: serves the library's entry points over stdin/stdout so the Python tests can run the same
+ * ctypes wrappers (appliance/native/kernels.py) against a library built for another architecture under qemu
+ * user-mode emulation: tests/support/kernel_driver.py's DriverLib stands in for the ctypes library, copies
+ * each pointer argument's bytes here and the outputs back.
+ *
+ * Request: int64 name length, the entry point's name, int64 count + that many int64 scalars (a float argument
+ * travels as its float32 bits), int64 count + that many (int64 bytes, int64 direction) buffer headers, then the
+ * bytes of every buffer whose direction is IN or INOUT, in order. Reply: int64 byte count, then int64 status
+ * (the entry point's return value, 0 for void), then the bytes of every OUT and INOUT buffer, in order.
+ * Policy: OUT buffers start as all-ones bytes (NaN as float32), so an output the kernel never writes shows up
+ * as a wrong answer; kq_set_threads never pins (the emulated threads run on the host's CPUs); kq_moe_ffn's
+ * struct is rebuilt here from its scalars and buffers (router, byte counts, 3 x E expert matrices, counts). */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include "../src/kq.h"
 
+enum { IN = 0, OUT = 1, INOUT = 2 };
+#define MAXS 16
+#define MAXB 4096
+
 static void rd(void *p, size_t n) { if (n && fread(p, 1, n, stdin) != n) exit(0); }
 static int64_t rd64(void) { int64_t v; rd(&v, 8); return v; }
-static void *rdbuf(size_t n) { void *p = malloc(n ? n : 1); rd(p, n); return p; }
-static void reply(const void *p, int64_t n) { fwrite(&n, 8, 1, stdout); fwrite(p, 1, (size_t)n, stdout); fflush(stdout); }
-static void reply_int(int64_t v) { reply(&v, 8); }
-
-enum { OP_MATMUL = 1, OP_Q8_32, OP_Q8_K, OP_DEQUANT, OP_GET_ROWS, OP_SET_SIMD, OP_SIMD_MAX, OP_SET_THREADS,
-       OP_GET_THREADS, OP_SIMD_NAME, OP_REPACK_X8, OP_ATTENTION };
+static float f32_of(int64_t bits) { uint32_t u = (uint32_t)bits; float f; memcpy(&f, &u, 4); return f; }
 
 int main(void) {
+    static int64_t s[MAXS], nbytes[MAXB], dir[MAXB];
+    static uint8_t *b[MAXB];
     for (;;) {
-        int64_t op = rd64();
-        switch (op) {
-        case OP_MATMUL: {
-            int64_t qt = rd64(), rows = rd64(), n = rd64(), T = rd64(), wb = rd64();
-            uint8_t *w = rdbuf((size_t)wb);
-            float *x = rdbuf((size_t)(T * n) * 4), *out = malloc((size_t)(T * rows) * 4);
-            kq_matmul((int)qt, w, rows, n, x, T, out);
-            reply(out, T * rows * 4);
-            free(w); free(x); free(out);
-            break;
+        char name[64] = {0};
+        int64_t len = rd64();
+        if (len <= 0 || len >= (int64_t)sizeof name) return 2;
+        rd(name, (size_t)len);
+        int64_t ns = rd64();
+        if (ns < 0 || ns > MAXS) return 2;
+        for (int64_t i = 0; i < ns; i++) s[i] = rd64();
+        int64_t nb = rd64();
+        if (nb < 0 || nb > MAXB) return 2;
+        for (int64_t i = 0; i < nb; i++) { nbytes[i] = rd64(); dir[i] = rd64(); }
+        int64_t reply_bytes = 8;
+        for (int64_t i = 0; i < nb; i++) {
+            b[i] = malloc((size_t)nbytes[i] + 1);
+            if (!b[i]) return 3;
+            if (dir[i] == OUT) memset(b[i], 0xff, (size_t)nbytes[i]); else rd(b[i], (size_t)nbytes[i]);
+            if (dir[i] != IN) reply_bytes += nbytes[i];
         }
-        case OP_Q8_32: case OP_Q8_K: {
-            int64_t T = rd64(), n = rd64();
-            float *x = rdbuf((size_t)(T * n) * 4);
-            size_t sz = op == OP_Q8_32 ? (size_t)(T * (n / 32)) * sizeof(kq_act32) : (size_t)(T * (n / 256)) * sizeof(kq_act256);
-            void *out = malloc(sz ? sz : 1);
-            if (op == OP_Q8_32) kq_quantize_q8_32(x, T, n, out); else kq_quantize_q8_K(x, T, n, out);
-            reply(out, (int64_t)sz);
-            free(x); free(out);
-            break;
+        int64_t rc = 0;
+        const char *text = NULL;
+#define IS(n) (strcmp(name, n) == 0)
+#define F(i) ((float *)b[i])
+        if (IS("kq_abi_version")) rc = kq_abi_version();
+        else if (IS("kq_struct_size")) rc = kq_struct_size((int)s[0]);
+        else if (IS("kq_simd_level")) rc = kq_simd_level();
+        else if (IS("kq_simd_max")) rc = kq_simd_max();
+        else if (IS("kq_set_simd_level")) rc = kq_set_simd_level((int)s[0]);
+        else if (IS("kq_simd_name")) text = kq_simd_name();
+        else if (IS("kq_set_threads")) rc = kq_set_threads((int)s[0], NULL, 0);
+        else if (IS("kq_get_threads")) rc = kq_get_threads();
+        else if (IS("kq_test_fail_alloc")) rc = kq_test_fail_alloc(s[0]);
+        else if (IS("kq_quantize_q8_32")) kq_quantize_q8_32(F(0), s[0], s[1], (kq_act32 *)b[1]);
+        else if (IS("kq_quantize_q8_K")) kq_quantize_q8_K(F(0), s[0], s[1], (kq_act256 *)b[1]);
+        else if (IS("kq_dequantize")) rc = kq_dequantize((int)s[0], b[0], s[1], s[2], F(1));
+        else if (IS("kq_get_rows")) rc = kq_get_rows((int)s[0], b[0], s[1], (const int64_t *)b[1], s[2], F(2));
+        else if (IS("kq_matmul")) rc = kq_matmul((int)s[0], b[0], s[1], s[2], F(1), s[3], F(2));
+        else if (IS("kq_repack_x8")) rc = kq_repack_x8((int)s[0], b[0], s[1], s[2], b[1]);
+        else if (IS("kq_rms_norm")) kq_rms_norm(F(0), F(1), s[0], s[1], f32_of(s[2]), F(2));
+        else if (IS("kq_rope")) kq_rope(F(0), s[0], s[1], s[2], F(1), F(2));
+        else if (IS("kq_swiglu")) kq_swiglu(F(0), F(1), s[0], F(2));
+        else if (IS("kq_attention"))
+            rc = kq_attention(F(0), b[1], b[2], s[0], s[1], s[2], s[3], s[4], s[5], (int)s[6], F(3));
+        else if (IS("kq_gated_delta_step"))
+            rc = kq_gated_delta_step(F(0), F(1), F(2), F(3), F(4), s[0], s[1], s[2], s[3], F(5), F(6));
+        else if (IS("kq_gated_delta_chunked"))
+            rc = kq_gated_delta_chunked(F(0), F(1), F(2), F(3), F(4), s[0], s[1], s[2], s[3], F(5), s[4], F(6));
+        else if (IS("kq_layer_norm")) kq_layer_norm(F(0), F(1), F(2), s[0], s[1], f32_of(s[2]), F(3));
+        else if (IS("kq_gelu_tanh")) kq_gelu_tanh(F(0), s[0], F(1));
+        else if (IS("kq_self_attention")) rc = kq_self_attention(F(0), s[0], s[1], s[2], F(1), F(2), F(3));
+        else if (IS("kq_moe_ffn")) {
+            /* scalars: E, top_k, hidden, inter, norm_topk, 3 qtypes, has_counts, T; buffers: router, 3 byte-count
+             * arrays, E gate, E up, E down matrices, counts (when has_counts), x, out */
+            int64_t E = s[0];
+            if (E < 0 || nb < 3 * E + 6) return 2;
+            const uint8_t **mats = malloc((size_t)(3 * E + 1) * sizeof *mats);
+            for (int64_t i = 0; i < 3 * E; i++) mats[i] = b[4 + i];
+            int64_t next = 4 + 3 * E;
+            kq_moe m = {E, s[1], s[2], s[3], (int32_t)s[4], (int32_t)s[5], (int32_t)s[6], (int32_t)s[7],
+                        F(0), mats, mats + E, mats + 2 * E, s[8] ? (int32_t *)b[next++] : NULL,
+                        (const int64_t *)b[1], (const int64_t *)b[2], (const int64_t *)b[3]};
+            rc = kq_moe_ffn(&m, F(next), s[9], F(next + 1));
+            free(mats);
+        } else return 4; /* an entry point this driver does not serve: the Python side reports the exit */
+        int64_t tl = text ? (int64_t)strlen(text) : 0;
+        reply_bytes += tl;
+        fwrite(&reply_bytes, 8, 1, stdout);
+        fwrite(&rc, 8, 1, stdout);
+        if (text) fwrite(text, 1, (size_t)tl, stdout);
+        for (int64_t i = 0; i < nb; i++) {
+            if (dir[i] != IN) fwrite(b[i], 1, (size_t)nbytes[i], stdout);
+            free(b[i]);
         }
-        case OP_DEQUANT: case OP_GET_ROWS: {
-            int64_t qt = rd64(), rows = rd64(), n = rd64(), wb = rd64(), T = op == OP_GET_ROWS ? rd64() : rows;
-            uint8_t *w = rdbuf((size_t)wb);
-            int64_t *ids = op == OP_GET_ROWS ? rdbuf((size_t)T * 8) : NULL;
-            float *out = malloc((size_t)(T * n) * 4 + 1);
-            if (op == OP_DEQUANT) kq_dequantize((int)qt, w, rows, n, out); else kq_get_rows((int)qt, w, n, ids, T, out);
-            reply(out, T * n * 4);
-            free(w); free(ids); free(out);
-            break;
-        }
-        case OP_REPACK_X8: {
-            int64_t qt = rd64(), rows = rd64(), n = rd64(), wb = rd64();
-            uint8_t *w = rdbuf((size_t)wb);
-            int64_t ob = ((rows + 7) / 8) * (qt == KQ_Q4_K ? (n / 256) * KQ_Q4K_X8_BYTES : (int64_t)kq_row_bytes((int)qt, n) * 8);
-            uint8_t *out = malloc((size_t)ob + 1);
-            kq_repack_x8((int)qt, w, rows, n, out);
-            reply(out, ob);
-            free(w); free(out);
-            break;
-        }
-        case OP_ATTENTION: { /* q (T, H, hd) float32, caches (KV, L, hd) of float32 or float16 */
-            int64_t T = rd64(), S = rd64(), H = rd64(), KV = rd64(), L = rd64(), hd = rd64(), f16 = rd64();
-            size_t cb = (size_t)(KV * L * hd) * (f16 ? 2 : 4);
-            float *q = rdbuf((size_t)(T * H * hd) * 4);
-            int64_t *res = malloc(8 + (size_t)(T * H * hd) * 4); /* the status, then out (T, H, hd) */
-            void *kc = rdbuf(cb), *vc = rdbuf(cb);
-            res[0] = kq_attention(q, kc, vc, L, T, S, H, KV, hd, (int)f16, (float *)(res + 1));
-            reply(res, 8 + T * H * hd * 4);
-            free(q); free(res); free(kc); free(vc);
-            break;
-        }
-        case OP_SET_SIMD: reply_int(kq_set_simd_level((int)rd64())); break;
-        case OP_SIMD_MAX: reply_int(kq_simd_max()); break;
-        case OP_SET_THREADS: reply_int(kq_set_threads((int)rd64(), NULL, 0)); break;
-        case OP_GET_THREADS: reply_int(kq_get_threads()); break;
-        case OP_SIMD_NAME: { const char *s = kq_simd_name(); reply(s, (int64_t)strlen(s)); break; }
-        default: return 2;
-        }
+        fflush(stdout);
     }
 }
