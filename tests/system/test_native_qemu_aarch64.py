@@ -24,3 +24,26 @@ def test_aarch64_kernels_equal_twins_under_qemu():
     fuzzed = re.findall(r"^def (test_\w+)", open(FUZZ).read(), re.M)
     ran = set(re.findall(r"^PASSED tests/native/test_native_fuzz\.py::(test_\w+)", r.stdout, re.M))
     assert fuzzed and set(fuzzed) <= ran, f"fuzz tests that did not pass under qemu: {sorted(set(fuzzed) - ran)}"
+
+
+# the generic-C entry points whose policy comments (ops.c, vision.c, quant.c, delta.c) say -O3 makes them NEON on
+# aarch64: each must still hold 4-lane float arithmetic in the aarch64 object (a change that stops the
+# vectoriser, e.g. a call or an aliasing store in the loop, fails here)
+VECTORISED = {"ops": ["kq_rms_norm", "kq_rope", "kq_swiglu", "attn_task"], "vision": ["ln_task", "gelu_range", "sa_task"],
+              "quant": ["kq_dequantize_row"], "delta": ["kq_gated_delta_step", "kq_gated_delta_chunked"]}
+
+
+def test_generic_c_entry_points_are_neon_on_aarch64(tmp_path):
+    assert shutil.which("aarch64-linux-gnu-gcc") and shutil.which("aarch64-linux-gnu-objdump"), \
+        "aarch64 cross toolchain missing (scripts/test.sh installs gcc-aarch64-linux-gnu)"
+    from appliance.native.build import CFLAGS
+    for unit, functions in VECTORISED.items():
+        obj = tmp_path / f"{unit}.o"
+        subprocess.run(["aarch64-linux-gnu-gcc", *CFLAGS, "-fPIC", "-c", os.path.join(ROOT, "appliance", "native",
+                        "src", f"{unit}.c"), "-o", str(obj)], check=True)
+        dump = subprocess.run(["aarch64-linux-gnu-objdump", "-d", "--no-show-raw-insn", str(obj)], check=True,
+                              capture_output=True, text=True).stdout
+        bodies = dict(re.findall(r"^[0-9a-f]+ <(\w+)>:\n(.*?)(?=\n\n|\Z)", dump, re.M | re.S))
+        for f in functions:
+            ops = re.findall(r"\t(f(?:mul|add|sub))\tv\d+\.4s", bodies.get(f, ""))
+            assert ops, f"{unit}.c {f}: no 4-lane float arithmetic in the aarch64 build"

@@ -1,6 +1,18 @@
 /* Float32 decoder operations (RMSNorm, rotate-half RoPE, causal attention over a float32 or float16 KV cache,
  * SwiGLU) and the whole per-layer decoder sequence in one call (kq_forward), so a decode step costs one ctypes
- * call instead of a few hundred numpy calls. Twins: appliance/native/ops_numpy.py and engine/qwen3.py. */
+ * call instead of a few hundred numpy calls. Twins: appliance/native/ops_numpy.py and engine/qwen3.py.
+ *
+ * Policy (SIMD): the products inside attention (scores, probability x value) and kq_forward (the linears, the
+ * experts) are matmul.c's dispatched kernels, NEON on aarch64 (matmul_float.inc, matmul_pv.inc). The rest here is
+ * generic C: RMSNorm, RoPE, SwiGLU, the online softmax, the float16 cache store, a few flops per element they
+ * stream. On x86_64 it is built as target_clones (KQ_CLONES: AVX2 and AVX-512 copies of the same C) because the
+ * x86_64 baseline is SSE2; the aarch64 baseline already has Advanced SIMD at the A76's full width (128 bits), so
+ * the one -O3 build is the NEON version: gcc 12.2 for aarch64 with the library's flags vectorises these loops to
+ * 4-lane float ops (aarch64-linux-gnu-objdump -d of ops.o: kq_rms_norm's sum of squares and scaling fmul/fadd
+ * v.4s; kq_rope fmul/fsub/fadd v.4s; kq_swiglu 127 of 408 instructions vector, the kq_expf polynomial as
+ * fmul/frintx/fcvtzs v.4s; attn_task 238 of 1299, the max / exp-sum / rescale passes). A hand-written NEON copy
+ * would issue the same instructions (no FMA contraction either way: -ffp-contract=off), so none is kept; the
+ * system test tests/system/test_native_qemu_aarch64.py checks the vector code is still there. */
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>

@@ -1,5 +1,11 @@
 /* Activation quantization (float32 rows -> 8-bit blocks) and weight dequantization (GGML blocks ->
- * float32 rows). Rounding: round-half-to-even (lrintf in the default mode), like the SIMD conversions. */
+ * float32 rows). Rounding: round-half-to-even (lrintf in the default mode), like the SIMD conversions.
+ * Policy (SIMD): kq_quantize_q8_32 runs the level's quant32 (AVX2 / NEON in matmul_x86.inc / matmul_neon.inc; the
+ * scalar one here at level 0). The rest is generic C on every architecture (x86 has no specialisation either):
+ * kq_quantize_q8_K is T x n roundings once per product against that product's rows x T x n multiply-adds, 1/rows
+ * of its work (rows >= 192 in every served shape's linears: SmolLM2-135M's k and v, so under 0.6%);
+ * kq_dequantize / kq_get_rows run at load and for one embedding row per token, and -O3 vectorises the dequantizer's widen / convert / scale anyway (aarch64 objdump:
+ * kq_dequantize_row 332 of 1040 instructions vector, sxtl/scvtf/fmul v.4s). */
 #include <math.h>
 #include <string.h>
 #include "kq_internal.h"

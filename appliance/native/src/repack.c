@@ -2,7 +2,9 @@
  * Rows are taken 8 at a time (the last group padded with zero blocks); for each block index the group
  * stores its 8 fp16 scales (then, for Q4_1, its 8 fp16 mins) and then its quants in 4-byte slices:
  * slice k holds bytes 4k..4k+3 of rows 0..7, so one 32-byte load feeds one 8-lane integer dot whose
- * lane r sums row r: block sums come out per row with no horizontal reduction. Same bytes per block. */
+ * lane r sums row r: block sums come out per row with no horizontal reduction. Same bytes per block.
+ * Policy (SIMD): kq_repack_x8 is byte moves done once at load, generic C everywhere; the x8 products are per
+ * level (matmul_x8_x86.inc, matmul_x8_neon.inc), the *_group_scalar ones here only the scalar level's. */
 #include <string.h>
 #include "kq_internal.h"
 

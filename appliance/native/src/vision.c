@@ -4,7 +4,13 @@
  *
  * Policy: attention runs in blocks of QB queries of one head per pool task, so the score block (QB x N,
  * f32) stays in L2 whatever the image size and both products are the multi-token float tiles of matmul.c
- * (scores = K q, out = V^T p, f32 accumulation); the softmax is in f32 with kq_expf. */
+ * (scores = K q, out = V^T p, f32 accumulation); the softmax is in f32 with kq_expf.
+ * Policy (SIMD): those products are NEON on aarch64 (matmul_float.inc); LayerNorm, GELU and the softmax are generic
+ * C, cloned for AVX2/AVX-512 on x86_64 (KQ_CLONES) and built once on aarch64, whose baseline is NEON at full
+ * width: gcc -O3 vectorises them there (objdump of the aarch64 vision.o: ln_task's mean/variance/scale passes
+ * fadd/fsub/fmul v.4s; gelu_range 146 of 548 instructions vector, tanh through the kq_expf polynomial in v.4s;
+ * sa_task 151 of 947), the instructions a hand-written NEON copy would use; tests/system/test_native_qemu_aarch64.py
+ * checks they stay vectorised. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
