@@ -203,15 +203,16 @@ def pick_loop(body: list[str], want_dots: int | None = None) -> list[str]:
     return best
 
 
-def splice_calls(loop: list[str], funcs: dict[str, list[str]]) -> list[str]:
+def splice_calls(loop: list[str], funcs: dict[str, list[str]], ignore: tuple[str, ...] = ()) -> list[str]:
     """Each `bl f` of a loop followed by f's instructions (its `ret` included), f taken from funcs: a call the build
     leaves out of line (a helper in another file) is work the loop does. A callee with a loop of its own, or one
-    not in funcs, is an error: its cost cannot be had this way."""
+    not in funcs, is an error: its cost cannot be had this way; unless it is in `ignore` (the caller says so: the
+    call then counts as its `bl` alone)."""
     out = []
     for ln in loop:
         out.append(ln)
         m = re.match(r"^bl\s+([\w.$]+)", ln)
-        if not m:
+        if not m or m.group(1) in ignore:
             continue
         if m.group(1) not in funcs or innermost_loops(funcs[m.group(1)]):
             raise ValueError(f"call to {m.group(1)} in the loop: no straight-line body to time")

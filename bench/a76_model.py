@@ -13,6 +13,8 @@ Policy:
   ~/.cache/kestrel-bench/llama-src): its in-place dot products (arch/arm/quants.c, `ggml_vec_dot_*`) and the
   repacked ones (arch/arm/repack.cpp, `ggml_gemv_*` / `ggml_gemm_*`): on an A76 (dotprod, no i8mm) it repacks
   Q4_0/Q8_0 to 4x4 and Q4_K/Q5_K/Q6_K to 8x4 for decode and prefill alike, so those are its board kernels.
+- The float kernels (F32/F16/BF16 products, attention's probability x value tiles) and their llama.cpp
+  equivalents: bench/a76_float.py (ours as GCC compiles them there; it says why).
 - Unit: cycles per 32 weights (per 32 weights x 1 column for prefill tiles), from cycles per iteration and the
   iteration's multiply-adds (its sdot count x 16: a whole number of blocks of the tile's rows x columns, checked).
 - Board: 4 Cortex-A76 at 2.4 GHz (RK3588 datasheet clock) sharing an assumed 20 GB/s of read bandwidth (LPDDR4x
@@ -33,7 +35,8 @@ import tempfile
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import a76_mca as mca  # a sibling file; bench/ is not a package
+import a76_float  # noqa: E402  (siblings; bench/ is not a package)
+import a76_mca as mca  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OURS_SRC = os.path.join(ROOT, "appliance", "native", "src")
@@ -60,6 +63,10 @@ OURS_CALLS = {
     "x8pre_q4_0": (_X8, "x8_neondot(KQ_Q4_0, g, nb, a, 4, o, 8, 0, 8)"),
     "x8pre_q4_K": (_X8, "x8k_neondot(g, nb, a, 4, o, 8, 0, 8)"),
     "x8pre_q6_K": (_X8, "x8q6_neondot(g, nb, a, 4, o, 8, 0, 8)"),
+    # the K formats' rows in place from 4 columns on (a MoE expert's tokens) are k_cols (matmul_neon_k.inc), which no
+    # wrapper inlines (too large): this call only makes the build emit it; its column loop is what gets timed
+    "pre_q4_K": (_W32, "q4_K_neondot(w, rb, 0, 4, nb, a, 0, 4, o, 4)"),
+    **a76_float.OURS_FLOAT_CALLS,
 }
 
 
@@ -115,12 +122,18 @@ KERNELS = [
     _k("ours", "prefill", "Q6_K", "x8, 4 columns", "ours", "mca_x8pre_q6_K", 8, 4, 256),
     _k("llama.cpp", "prefill", "Q6_K", "8x4 repack, 4 columns", "repack.cpp", "ggml_gemm_q6_K_8x4_q8_K", 8, 4, 256),
 ]
+K_COLS = "rows in place, per column (k_cols: its unpack once per super-block and a 16-byte memcpy not counted)"
+KERNELS += [_k("ours", "prefill", q, K_COLS, "ours", "k_cols_neondot", 4, 1, 256) for q in ("Q4_K", "Q5_K", "Q6_K")]
+KERNELS += [_k("llama.cpp", "prefill", "Q5_K", "8x4 repack, 4 columns", "repack.cpp", "ggml_gemm_q5_K_8x4_q8_K", 8, 4,
+               256)]
+KERNELS += a76_float.float_kernels(_k)  # F32/F16/BF16 products, attention's p x V (bench/a76_float.py)
 QUICK = {"mca_dec_q8_0", "mca_dec_q4_0", "mca_x8dec_q4_0", "mca_x8pre_q4_0"}
 
 
 def ours_harness(names) -> str:
     lines = ['#include "matmul_neon.c"']
-    for n in names:
+    names = [n for n in names if n.startswith("mca_")] + (["mca_pre_q4_K"] if "k_cols_neondot" in names else [])
+    for n in dict.fromkeys(names):
         args, call = OURS_CALLS[n[len("mca_"):]]
         lines.append(f"__attribute__((flatten)) void {n}{args} {{ {call}; }}")
     return "\n".join(lines) + "\n"
@@ -138,10 +151,16 @@ def llama_src(path: str | None = None, fetch: bool = True) -> str | None:
         return ggml
     if not fetch:
         return None
+    # the test support code's copy of the same sdist (tests/support/llama_convert.py), when it has one
+    cached = os.path.expanduser(os.path.join(os.environ.get("KESTREL_LLAMA_SDIST_DIR", "~/.cache/kestrel-bench/sdist"),
+                                             f"llama_cpp_python-{PEER_VERSION}.tar.gz"))
     with tempfile.TemporaryDirectory() as d:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-binary", ":all:", "--no-deps",
-                        f"llama-cpp-python=={PEER_VERSION}", "-d", d], check=True)
-        (tgz,) = glob.glob(os.path.join(d, "*.tar.gz"))
+        if os.path.exists(cached):
+            tgz = cached
+        else:
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-binary", ":all:", "--no-deps",
+                            f"llama-cpp-python=={PEER_VERSION}", "-d", d], check=True)
+            (tgz,) = glob.glob(os.path.join(d, "*.tar.gz"))
         with tarfile.open(tgz) as t:
             pre = f"llama_cpp_python-{PEER_VERSION}/vendor/llama.cpp/"
             members = [m for m in t.getmembers() if m.name.startswith(pre + "ggml/") and not m.issym()]
@@ -161,7 +180,11 @@ def measure(kernels: list[Kernel], ggml: str | None, ours_src: str = OURS_SRC,
     """Kernel -> {'a76': cycles per 32 weights (x column), 'a55': ..., 'insns': instructions per 32}. Not strict:
     a kernel whose inner loop is not one whole iteration of its tile (GCC leaves a sub-loop rolled) is left out."""
     asm: dict[str, dict[str, list[str]]] = {}
-    mine = [k.func for k in kernels if k.src == "ours"]
+    mine = [k.func for k in kernels if k.src == "ours" and k.qtype not in a76_float.FLOAT_QTYPES]
+    mine_float = [k.func for k in kernels if k.src == "ours" and k.qtype in a76_float.FLOAT_QTYPES]
+    if mine_float:  # GCC's code, the library's compiler (bench/a76_float.py says why not clang's here)
+        asm["ours-gcc"] = mca.functions(mca.compile_asm(ours_harness(mine_float), [ours_src], flags=OURS_FLAGS,
+                                                        gcc=True))
     if mine:
         asm["ours"] = mca.functions(mca.compile_asm(ours_harness(mine), [ours_src], flags=OURS_FLAGS, gcc=gcc))
         # the helpers the tile kernels call out of line (the build compiles each file on its own, no LTO)
@@ -169,20 +192,34 @@ def measure(kernels: list[Kernel], ggml: str | None, ours_src: str = OURS_SRC,
             '#include "quant.c"\n', [ours_src], flags=OURS_FLAGS, gcc=gcc)).items() if k not in asm["ours"]})
     if ggml:
         inc = [os.path.join(ggml, "src", "ggml-cpu"), os.path.join(ggml, "src"), os.path.join(ggml, "include")]
-        for src, cxx in (("quants.c", False), ("repack.cpp", True)):
+        for src, text, cxx in (("quants.c", '#include "arch/arm/quants.c"', False),
+                               ("repack.cpp", '#include "arch/arm/repack.cpp"', True),
+                               ("vec.cpp", '#include "vec.cpp"', True), ("sgemm.cpp", '#include "llamafile/sgemm.cpp"', True),
+                               ("llama_wrap", a76_float.LLAMA_WRAP, True)):
             if any(k.src == src for k in kernels):
-                asm[src] = mca.functions(mca.compile_asm(f'#include "arch/arm/{src}"\n', inc, cxx=cxx))
+                asm[src] = mca.functions(mca.compile_asm(text + "\n", inc, cxx=cxx))
     out = {}
     for k in kernels:
-        if k.src not in asm:
+        if k.src not in asm and not (k.src == "ours" and "ours-gcc" in asm):
             continue
-        loop = mca.splice_calls(mca.pick_loop(mca.find_function(asm[k.src], k.func)), asm[k.src])
-        blocks, rem = divmod(sdots(loop) * 16, k.macs)
+        src = "ours-gcc" if k.src == "ours" and k.qtype in a76_float.FLOAT_QTYPES else k.src
+        body = mca.find_function(asm[src], k.func)
+        if k.qtype in a76_float.FLOAT_QTYPES:  # float kernels: FMA lanes (bench/a76_float.py)
+            loops = mca.innermost_loops(body)
+            if not loops:
+                raise ValueError(f"{k.func}: no loop found")
+            loop = mca.splice_calls(max(loops, key=a76_float.float_macs), asm[src])
+            macs = a76_float.float_macs(loop)
+        else:
+            # k_cols copies a column's nr running sums with a memcpy of nr x 4 bytes (nr is not constant there)
+            loop = mca.splice_calls(mca.pick_loop(body), asm[k.src], ignore=("memcpy",) if k.layout == K_COLS else ())
+            macs = sdots(loop) * 16
+        blocks, rem = divmod(macs, k.macs)
         if blocks < 1 or rem:
             if not strict:
                 continue
-            raise ValueError(f"{k.func}: inner loop has {sdots(loop)} sdots, not a multiple of a block's "
-                             f"{k.macs // 16}")
+            raise ValueError(f"{k.func}: inner loop has {macs} multiply-adds, not a multiple of a block's "
+                             f"{k.macs}")
         per32 = blocks * k.macs / 32
         res = {"insns": len(loop) / per32, "blocks": blocks}
         for core in ("a76", "a55"):
@@ -239,7 +276,10 @@ def predict(costs: dict[tuple[str, str, str], float], shape: Shape, ftype: str, 
             dec += max(cyc / hz, b / (board["bw"] * 1e9))
             comp += cyc / hz
             byt += b
-            pre += ww / 32 * costs.get((side, "prefill", q), float("nan")) / hz
+            pre_key = (side, "prefill expert", q)  # a MoE expert's tokens read its rows in place (moe_costs)
+            if not (role.startswith("expert") and pre_key in costs):
+                pre_key = (side, "prefill", q)
+            pre += ww / 32 * costs.get(pre_key, float("nan")) / hz
     bw_limit = board["bw"] * 1e9 / byt
     return {"decode": 1 / dec, "bw_limit": bw_limit, "compute_limit": 1 / comp, "share": (1 / dec) / bw_limit, "prefill": 1 / pre,
             "gb": byt / 1e9}
@@ -249,8 +289,7 @@ def board_costs(res: dict[Kernel, dict[str, float]]) -> dict[tuple[str, str, str
     """The kernel each side runs on the board per (kind, qtype): ours x8 where it exists for a dense model (else
     in place), llama.cpp's repacked one where it repacks (else its in-place dot)."""
     out: dict[tuple[str, str, str], float] = {}
-    order = {"rows in place": 0}
-    for k in sorted(res, key=lambda k: order.get(k.layout, 1)):
+    for k in sorted(res, key=lambda k: 0 if k.layout.startswith("rows in place") else 1):
         out[(k.side, k.kind, k.qtype)] = res[k]["a76"]
     return out
 
@@ -261,6 +300,8 @@ def moe_costs(res: dict[Kernel, dict[str, float]]) -> dict[tuple[str, str, str],
     for k, r in res.items():
         if k.side == "ours" and k.kind == "decode" and k.layout == "rows in place":
             out[("ours", "decode", k.qtype)] = r["a76"]
+        if k.side == "ours" and k.layout == K_COLS:
+            out[("ours", "prefill expert", k.qtype)] = r["a76"]
     return out
 
 
@@ -280,7 +321,8 @@ def report(res: dict[Kernel, dict[str, float]], board: dict, before: dict | None
             peers = [(p.layout, rr["a76"]) for p, rr in res.items()
                      if p.side != "ours" and p.kind == k.kind and p.qtype == k.qtype]
             ratio = ", ".join(f"{r['a76'] / c:.2f}x {lay}" for lay, c in peers)
-        lines.append(f"| {k.kind} | {k.qtype} | {k.side} `{k.func.removeprefix('mca_')}` | {k.layout} "
+        name = a76_float.DISPLAY.get(k.func, k.func.removeprefix("mca_"))
+        lines.append(f"| {k.kind} | {k.qtype} | {k.side} `{name}` | {k.layout} "
                      f"({k.rows}x{k.cols}, {r['blocks']:.0f}) |{bval} "
                      f"{r['a76']:.2f} | {r['a55']:.2f} | {r['insns']:.1f} | {ratio} |")
     lines += ["", f"Board: {board['cores']} A76 at {board['ghz']} GHz, {board['bw']} GB/s (weight products only).", "",

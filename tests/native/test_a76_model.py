@@ -12,6 +12,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "bench"))
+import a76_float  # noqa: E402
 import a76_mca  # noqa: E402
 import a76_model  # noqa: E402
 
@@ -87,6 +88,15 @@ def test_every_kernel_of_ours_gets_a_positive_cost(ours):
     by = {k.func: r for k, r in res.items()}
     # the in-place decode columns step over two blocks (matmul_neon_col.inc)
     assert by["mca_dec_q8_0"]["blocks"] == 2 and by["mca_dec_q4_0"]["blocks"] == 2
+    # the float tiles: one pass of 4 rows x 6 columns (24 FMAs) per k-step, p x V 6 rows x 16 values (GCC's code)
+    assert all(by[f"mca_pre_{t}"]["blocks"] == 1 for t in ("f32", "f16", "bf16"))
+    assert by["mca_pv_f16"]["blocks"] == 1 and by["mca_pv_f32"]["blocks"] == 1
+
+
+def test_float_multiply_adds_are_counted_by_lanes():
+    assert a76_float.float_macs(["fmla\tv0.4s, v1.4s, v2.4s", "fmla\tv3.8h, v4.8h, v5.8h",
+                                 "fmla\tv6.4s, v7.4s, v8.s[1]", "fmul\tv9.4s, v9.4s, v1.4s"]) == 16
+    assert a76_float.float_macs(["fmul\tv1.4s, v1.4s, v3.4s", "fmul\tv2.4s, v2.4s, v3.4s", "fadd\td0, d0, d1"]) == 8
 
 
 def test_llama_cpp_kernels_get_a_positive_cost():
