@@ -5,7 +5,10 @@ Policies:
   the target, run in the same engine thread and the same native pool. It must share the target's tokenizer:
   every id stands for the same bytes and the same ids are special, up to a GGUF's padding tokens
   (`vocabulary_mismatch`, checked at load). Its logits are read only over the ids both models have rows for.
-  A model with recurrent layers (Qwen3.5) is not a draft model: its state cannot take back a rejected draft.
+  A model with recurrent layers (Qwen3.5) drafts too: every forward after its prompt keeps the linear layers'
+  state per position (recurrent_cache.HybridCache.keep_steps), so the cut back to the target's sequence lands
+  on a kept state; the prompt stops one token short (its last token runs with the first draft), and a cut
+  where no state is kept (another request's sequence) falls back to the longest position that has one.
 - It replaces the n-gram drafts (as in llama-server, where `-md` is the draft source). Drafting is greedy
   (argmax); verification (speculative.py, generate.py) is exact whatever the draft is, so a poor draft model
   costs speed, never correctness.
@@ -23,7 +26,7 @@ Policies:
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 import numpy as np
 
@@ -68,6 +71,7 @@ class DraftModel:
         self.reuse_prefix = reuse_prefix  # --no-prefix-cache: every prompt runs from scratch here too
         self.vocab_limit = min(model.config.vocab_size, vocab_limit or model.config.vocab_size)
         self.forwards_run = 0  # for tests
+        self.recurrent = bool(getattr(self.cache, "exact", False))  # a HybridCache: cut only where a state is
 
     @property
     def bytes_per_token(self) -> int:
@@ -79,7 +83,7 @@ class DraftModel:
     def warm_up(self) -> None:
         """One token through the model (first-product work at load, as Engine.warm_up), then taken back."""
         n = len(self.cache_tokens)
-        if n + 1 > self.cache.max_len:
+        if n + 1 > self.cache.max_len or (n and self.recurrent):
             self.drop_sequence()
             n = 0
         self.model.forward(np.asarray([0], dtype=np.int64), self.cache, "last")
@@ -111,7 +115,10 @@ class DraftModel:
         if not self.reuse_prefix:
             self.drop_sequence()
         try:
-            self._sync(seq, keep_last=True, should_cancel=should_cancel)
+            if self.recurrent:  # the last token runs with the first draft, keeping a state from there on
+                self._sync(seq[:-1], keep_last=True, should_cancel=should_cancel)
+            else:
+                self._sync(seq, keep_last=True, should_cancel=should_cancel)
         except Exception:
             self.drop_sequence()
             raise
@@ -129,9 +136,14 @@ class DraftModel:
             n = 0
         while n < limit and have[n] == seq[n]:
             n += 1
+        if self.recurrent:
+            cache: Any = self.cache
+            n = cache.reusable(n)  # a kept state (a step of the last drafts, or a snapshot), else 0
         if n < len(have):
             self.cache.truncate(n)
             del have[n:]
+        if self.recurrent:  # the target's sequence only grows from n on: states before it are not cut back to
+            cast(Any, self.cache).steps = {}
         logits: np.ndarray | None = None
         for a in range(n, len(seq), self.prefill_chunk):
             if should_cancel():
@@ -141,6 +153,9 @@ class DraftModel:
         return logits
 
     def _forward(self, tokens: list[int], logits: str) -> np.ndarray | None:
+        if self.recurrent:  # after the prompt, a state at every position (the next cut lands on one)
+            cache: Any = self.cache
+            cache.keep_steps = logits != "none"
         out = self.model.forward(np.asarray(tokens, dtype=np.int64), self.cache, logits)
         self.cache_tokens.extend(tokens)
         self.forwards_run += 1

@@ -16,7 +16,8 @@ Policies:
   active sequence. A hybrid model's cache (recurrent states, `cache.exact`) is kept only where a state exists:
   `cache.reusable(n)` cuts the shared prefix back to such a position, and its copies carry their states. Its
   prefill also ends a chunk before the prompt's last turn start (the next turn repeats everything before the
-  generation prompt) and before the last token (a retry of the same prompt runs one token).
+  generation prompt) and before the last token (a retry of the same prompt runs one token). A verified draft
+  run keeps a state per position there (HybridCache.keep_steps), so its rejected tail rolls back as a KV does.
 - A request's constraint (a grammar) masks every sampling step and ends the generation as soon as the grammar
   is complete.
 """
@@ -248,9 +249,17 @@ class Engine:
         self.cache_tokens, self.cache_images = list(ids[:n]), images
         return n
 
-    def _forward(self, tokens: list[int], logits: str) -> np.ndarray | None:
-        """Append tokens to the active sequence (its ids follow the cache)."""
-        out = self.model.forward(np.asarray(tokens, dtype=np.int64), self.cache, logits)
+    def _forward(self, tokens: list[int], logits: str, verify: bool = False) -> np.ndarray | None:
+        """Append tokens to the active sequence (its ids follow the cache). verify: a drafted run, which a
+        recurrent cache keeps a state for at every position of (so its rejected tail can be cut off)."""
+        keep = verify and self._exact
+        if keep:
+            cast(Any, self.cache).keep_steps = True
+        try:
+            out = self.model.forward(np.asarray(tokens, dtype=np.int64), self.cache, logits)
+        finally:
+            if keep:
+                cast(Any, self.cache).keep_steps = False
         self.cache_tokens.extend(tokens)
         return out
 
@@ -392,7 +401,7 @@ class Engine:
             t_fwd = time.perf_counter()
             self.decode_steps_run += 1  # a forward of the token, with its drafts if any
             if draft:
-                out = self._forward([token] + draft, "all")  # (1 + k, V)
+                out = self._forward([token] + draft, "all", verify=True)  # (1 + k, V)
                 assert out is not None and spec is not None
                 logits, run, drafted = out[0], list(out[1:]), list(draft)
                 spec.verify = (len(draft), _ms(t_draft))  # the run's cost: drafting and verifying
@@ -404,7 +413,7 @@ class Engine:
                     self.step_ms = spec.length.step_ms
 
     def _speculation(self, req: GenerationRequest, should_cancel: Callable[[], bool]) -> Speculation | None:
-        if not self.spec.enabled or self._exact:  # a recurrent state cannot take back a rejected draft
+        if not self.spec.enabled:
             return None
         return Speculation.start(self.spec, self.drafter, self.step_ms, req.prompt_ids, should_cancel)
 

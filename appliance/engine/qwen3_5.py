@@ -27,7 +27,7 @@ from appliance.native.ops_numpy import grouped_attention, rms_norm
 
 from .config import UnsupportedModelError
 from .qwen3 import apply_rope, rope_cos_sin
-from .recurrent_cache import HybridCache
+from .recurrent_cache import HybridCache, RecurrentState
 
 FULL, LINEAR = "full_attention", "linear_attention"
 
@@ -215,7 +215,10 @@ class Qwen35Model:
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.attn_norm, c.rms_norm_eps)
             if isinstance(layer.mixer, GatedDeltaNet):
-                h = h + linear_attention(c, layer.mixer, x, cache.state[i], self.delta, self.delta_chunk)
+                steps: list | None = [] if cache.keep_steps else None
+                h = h + linear_attention(c, layer.mixer, x, cache.state[i], self.delta, self.delta_chunk, steps)
+                if steps is not None:
+                    cache.keep_step(i, steps)
             else:
                 h = h + gated_attention(c, layer.mixer, x, cache, i, cos, sin)
             h = h + layer.mlp(rms_norm(h, layer.mlp_norm, c.rms_norm_eps))
@@ -228,11 +231,15 @@ class Qwen35Model:
         return self.lm_head(h)  # (T, vocab)
 
 
-def linear_attention(c: Qwen35Config, m: GatedDeltaNet, x: np.ndarray, state, ops: DeltaOps,
-                     chunk: int) -> np.ndarray:
+def linear_attention(c: Qwen35Config, m: GatedDeltaNet, x: np.ndarray, state: RecurrentState, ops: DeltaOps,
+                     chunk: int, steps: list[RecurrentState] | None = None) -> np.ndarray:
+    """steps: a list to receive the state after each position (a verify forward: the token loop runs, as in
+    decode, and HybridCache keeps the states so a rejected draft's tail can be cut off)."""
     T = x.shape[0]
     nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-    mixed = causal_conv1d(m.qkv(x), state.conv, m.conv)  # (T, conv_dim)
+    qkv = m.qkv(x)  # (T, conv_dim)
+    conv_in = np.concatenate([state.conv, qkv], axis=0) if steps is not None else None  # (K-1+T, conv_dim)
+    mixed = causal_conv1d(qkv, state.conv, m.conv)  # (T, conv_dim)
     q = mixed[:, :c.key_dim].reshape(T, nk, dk)
     k = mixed[:, c.key_dim:2 * c.key_dim].reshape(T, nk, dk)
     v = np.ascontiguousarray(mixed[:, 2 * c.key_dim:].reshape(T, nv, dv))
@@ -242,7 +249,14 @@ def linear_attention(c: Qwen35Config, m: GatedDeltaNet, x: np.ndarray, state, op
     beta = 1.0 / (1.0 + np.exp(-m.b(x)))  # (T, nv)
     g = -np.exp(m.A_log) * np.logaddexp(0.0, m.a(x) + m.dt_bias)  # (T, nv) log decay: -A * softplus(a + dt)
     g, beta = g.astype(np.float32), beta.astype(np.float32)
-    if T == 1:
+    if steps is not None:
+        assert conv_in is not None
+        km1 = state.conv.shape[0]
+        o = np.empty_like(v)  # (T, nv, dv)
+        for t in range(T):
+            o[t:t + 1] = ops.step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state.ssm)
+            steps.append(RecurrentState(conv_in[t + 1:t + 1 + km1].copy(), state.ssm.copy()))
+    elif T == 1:
         o = ops.step(q, k, v, g, beta, state.ssm)  # (T, nv, dv)
     else:
         o = ops.prefill(q, k, v, g, beta, state.ssm, chunk)

@@ -7,6 +7,13 @@ Policies:
   prefill chunk boundaries), at most `max_snapshots`, newest kept; `truncate(n)` works where a
   state exists (0, the current length, or a snapshot) and raises otherwise. `reusable(n)` is the longest such
   position <= n, which the engine asks before it keeps a prefix.
+- Speculative verification (a few drafted positions in one forward, most of them possibly rejected): while
+  `keep_steps` is set, the model's linear layers run the verified positions token by token and leave the states
+  after each one in `steps` (position -> states). The one-token recurrence is what plain decoding runs, so the
+  verified tokens see the numbers decode would; keeping a fixed-size state per drafted position (a copy of each
+  layer's delta state, ~1 MiB a layer at the 2B shape) costs less than running the accepted tokens again (a
+  read of every weight). `truncate(n)` / `rollback(n)` then work at those positions too; the steps go when a
+  forward runs without `keep_steps`, or on a cut (the state there is the current one).
 - `copy_prefix(n)` / `load_prefix` move the keys and values of the first n positions together with the states
   at n and the snapshots before it, so an earlier sequence kept in the prefix store resumes exactly where it
   ended or where one of its prompts ended (`exact` entries: a store cuts them only there).
@@ -59,6 +66,9 @@ class HybridCache:
                       for i, t in enumerate(layer_types) if t != "full_attention"}
         self.max_snapshots = max_snapshots
         self.snapshots: dict[int, States] = {}  # position -> states of every linear layer there
+        self.keep_steps = False  # set around a verify forward: the linear layers keep their state per position
+        self.steps: dict[int, States] = {}  # position -> states there, from the forwards run with keep_steps
+        self._pending: dict[int, list[RecurrentState]] = {}  # layer -> states after each position of this forward
 
     # ---- the KVCache surface the engine uses -------------------------------------------------------------
     @property
@@ -89,7 +99,24 @@ class HybridCache:
         return self.kv.update(self.kv_slot[layer], k, v)
 
     def commit(self, n: int) -> None:
+        """n more positions are in the cache; with keep_steps, the states the layers left (keep_step) are kept
+        at each of them, else earlier steps go (they belong to a sequence that has moved on)."""
+        base = self.kv.length
         self.kv.commit(n)
+        if not self.keep_steps:
+            self.steps = {}
+            return
+        layers = list(self.state)
+        if any(len(self._pending.get(i, ())) != n for i in layers):
+            self._pending = {}
+            raise ValueError("a forward with keep_steps did not keep every linear layer's state per position")
+        for p in range(n):
+            self.steps[base + p + 1] = [self._pending[i][p] for i in layers]
+        self._pending = {}
+
+    def keep_step(self, layer: int, states: list[RecurrentState]) -> None:
+        """A linear layer's states after each position of the running forward (while keep_steps)."""
+        self._pending[layer] = states
 
     def snapshot(self) -> None:
         """Keep the states at the current length (a later prompt that extends the sequence to here resumes)."""
@@ -101,7 +128,7 @@ class HybridCache:
         """The longest position <= n this cache can be cut back to."""
         if n >= self.length:
             return self.length
-        return max([p for p in self.snapshots if p <= n], default=0)
+        return max([p for p in (*self.snapshots, *self.steps) if p <= n], default=0)
 
     def truncate(self, n: int) -> None:
         n = max(0, min(self.length, n))
@@ -110,24 +137,35 @@ class HybridCache:
         if n == 0:
             self.reset()
             return
-        if n not in self.snapshots:
-            raise ValueError(f"no recurrent state at position {n}")
-        self._load(self.snapshots[n])
+        self._load(self._state_at(n))
         self.snapshots = {p: s for p, s in self.snapshots.items() if p <= n}
+        self.steps = {}
         self.kv.truncate(n)
+
+    def rollback(self, n: int) -> None:
+        """A verified run's rejected tail (KVCache.rollback): the same cut, at a step or snapshot position."""
+        self.truncate(n)
+
+    def _state_at(self, n: int) -> States:
+        if n in self.steps:
+            return self.steps[n]
+        if n in self.snapshots:
+            return self.snapshots[n]
+        raise ValueError(f"no recurrent state at position {n}")
 
     def reset(self) -> None:
         self.kv.reset()
         for s in self.state.values():
             s.clear()
         self.snapshots = {}
+        self.steps = {}
 
     def copy_prefix(self, n: int) -> tuple[list[np.ndarray], list[np.ndarray], dict[int, States]]:
         """Keys/values of the first n positions and the states at n and at every snapshot before it (n: the
         length or a snapshot). Snapshots are never written in place, so the copy shares them."""
         n = min(n, self.length)
         states = {p: s for p, s in self.snapshots.items() if p < n}
-        states[n] = self._states() if n == self.length else self.snapshots[n]
+        states[n] = self._states() if n == self.length else [s.snapshot() for s in self._state_at(n)]
         k, v = self.kv.copy_prefix(n)
         return k, v, states
 
@@ -139,6 +177,7 @@ class HybridCache:
         self.kv.load_prefix(k, v, n)
         self._load(states[n])
         self.snapshots = {p: s for p, s in states.items() if p <= n}
+        self.steps = {}
 
     def _states(self) -> States:
         return [s.snapshot() for s in self.state.values()]

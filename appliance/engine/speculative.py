@@ -15,8 +15,9 @@ Policies:
 - Drafts from a model (`--draft-model`, draft_model.py): a smaller model of the same tokenizer drafts its greedy
   continuation; it replaces the prompt's drafts. The cost of a run the draft length weighs is drafting plus
   verifying.
-- Models whose cache holds recurrent states (Qwen3.5's linear layers) do not draft: their state cannot be
-  rolled back to the accepted length (it would need a snapshot per drafted position).
+- Models whose cache holds recurrent states (Qwen3.5's linear layers) draft too: the verify forward keeps the
+  linear layers' state after each drafted position (recurrent_cache.HybridCache.keep_steps), and the rollback
+  to the accepted length restores the one there (the full-attention KV is cut as usual).
 - Draft length adapts: it grows after a fully accepted run and shrinks to what the last run accepted plus one.
   A run pays when the tokens it yields per verify outweigh what drafting and the wider forward cost over a
   one-token step; both costs are measured as the request runs (a drafter that always has a draft, a model,

@@ -69,7 +69,7 @@ class MismatchedPair(ModelFileError):
 
 
 class MismatchedDraft(ModelFileError):
-    """A --draft-model whose tokenizer is not the model's, or which cannot draft (recurrent layers)."""
+    """A --draft-model whose tokenizer is not the model's."""
 
 
 @dataclass(frozen=True)
@@ -203,18 +203,13 @@ def read_checkpoint(path: str, options: LoadOptions, phases: Phases, what: str =
 
 
 def read_draft(path: str, target: Checkpoint, options: LoadOptions, phases: Phases) -> Checkpoint:
-    """The --draft-model checkpoint, checked against the model: the same tokenizer, layers that can roll back."""
+    """The --draft-model checkpoint, checked against the model: the same tokenizer."""
     from ..draft_model import vocabulary_mismatch
     path = os.path.abspath(path)
-    if getattr(target.model, "recurrent", False):
-        raise ModelLoadError("--draft-model: this model has recurrent layers (Qwen3.5) and does not draft")
     if target.task_hint is not None or options.task is not None:
         raise ModelLoadError("--draft-model goes with a text generation model, not an embedding model or reranker")
     draft = read_checkpoint(path, replace(options, mmproj=None, max_resident_mib=None, image_max_pixels=None),
                             phases, "--draft-model path")
-    if getattr(draft.model, "recurrent", False):
-        raise MismatchedDraft(f"--draft-model {path}: its recurrent layers (Qwen3.5) cannot take back a rejected "
-                              f"draft")
     problem = vocabulary_mismatch(target.tokenizer, draft.tokenizer)
     if problem is not None:
         raise MismatchedDraft(f"--draft-model {path}: not the model's tokenizer ({problem})")

@@ -1,0 +1,122 @@
+"""Speculative decoding on Qwen3.5's hybrid cache: a verified run keeps the linear layers' state after each
+drafted position (HybridCache.keep_steps), so a rejected tail rolls back like a KV cache's. Greedy and seeded
+tokens equal plain decoding's on the tiny dense and MoE models, with drafts accepted and rejected (an oracle
+drafter), with drafts from the prompt and from a draft model; a stop string inside an accepted run and a
+follow-up turn see the sequence plain decoding leaves."""
+import numpy as np
+import pytest
+
+from appliance.engine.generate import GenerationRequest
+from appliance.engine.load import LoadOptions, load_model
+from appliance.engine.sampling import SamplingParams
+from appliance.engine.speculative import NgramDrafter, SpecOptions
+from tests.engine.test_speculative import GREEDY, OracleDrafter, check_oracle, ids_of, run, text_of, tiny_pair
+
+FIXTURES = ["tiny_qwen3_5", "tiny_qwen3_5_moe"]
+
+
+@pytest.fixture(scope="module", params=FIXTURES)
+def pair(request):
+    return tiny_pair(request.getfixturevalue(request.param))
+
+
+def test_rollback_restores_the_state_after_an_accepted_position(tiny_qwen3_5):
+    """The cache after a 5-token verify cut back to 3 holds what 3 one-token steps leave."""
+    m = load_model(tiny_qwen3_5, LoadOptions(context_length=64, spec=SpecOptions("none"))).model
+    toks = [9707, 11, 1879, 0, 13, 576, 6722, 315]
+    a, b = m.new_cache(64), m.new_cache(64)
+    m.forward(np.asarray(toks[:3]), a, "none")
+    m.forward(np.asarray(toks[:3]), b, "none")
+    b.keep_steps = True
+    m.forward(np.asarray(toks[3:8]), b, "all")
+    b.keep_steps = False
+    assert sorted(b.steps) == [4, 5, 6, 7, 8]
+    b.rollback(6)
+    for t in toks[3:6]:
+        m.forward(np.asarray([t]), a, "last")
+    assert b.length == a.length == 6 and not b.steps
+    for i in a.state:
+        np.testing.assert_allclose(b.state[i].conv, a.state[i].conv, rtol=0, atol=1e-5)  # matmul tiles of 5 rows vs 1
+        np.testing.assert_allclose(b.state[i].ssm, a.state[i].ssm, rtol=0, atol=1e-6)
+    la = m.forward(np.asarray([toks[6]]), a, "last")
+    lb = m.forward(np.asarray([toks[6]]), b, "last")
+    np.testing.assert_allclose(lb, la, rtol=0, atol=1e-4)
+    with pytest.raises(ValueError):
+        b.rollback(5)  # no state kept there any more
+
+
+def test_verify_exactly_with_an_oracle_drafter(pair):
+    a, b = pair
+    ids = ids_of(a, "Tell me a story about a lighthouse.")
+    check_oracle(a, b, GenerationRequest(ids, GREEDY, max_tokens=32, ignore_eos=True))
+    check_oracle(a, b, GenerationRequest(ids, SamplingParams(temperature=1.0, seed=3), max_tokens=32,
+                                         ignore_eos=True))
+
+
+def test_prompt_drafts_greedy_identical(tiny_qwen3_5):
+    """(The dense model: its answer's first tokens repeat the earlier turn's, so the prompt drafts; the MoE's
+    random weights do not happen to.)"""
+    a, b = tiny_pair(tiny_qwen3_5)
+    b.engine.drafter = NgramDrafter
+    # the generation prompt's n-grams occurred before, in the earlier turn: drafts of that answer (random
+    # weights: mostly rejected, each rejection a rollback of the recurrent states)
+    q = "Tell me a story about a lighthouse."
+    _, f0 = run(a, GenerationRequest(ids_of(a, q), GREEDY, max_tokens=24, ignore_eos=True))
+    ids = ids_of(a, q, [{"role": "user", "content": q}, {"role": "assistant", "content": a.tokenizer.decode(f0.token_ids)}])
+    req = GenerationRequest(ids, GREEDY, max_tokens=40, ignore_eos=True)
+    ta, fa = run(a, req)
+    tb, fb = run(b, req)
+    assert fb.token_ids == fa.token_ids and [t.text for t in tb] == [t.text for t in ta]
+    assert fb.timings.draft_n > fb.timings.draft_n_accepted
+
+
+def test_a_stop_string_inside_an_accepted_run(pair):
+    a, b = pair
+    ids = ids_of(a, "Tell me a story about a lighthouse.")
+    _, fa = run(a, GenerationRequest(ids, GREEDY, max_tokens=32, ignore_eos=True))
+    truth = fa.token_ids
+    stop = a.tokenizer.decode(truth[14:16])  # drafted at positions the oracle gets right
+    ta, fa = run(a, GenerationRequest(ids, GREEDY, max_tokens=32, ignore_eos=True, stop=(stop,)))
+    b.engine.drafter = lambda: OracleDrafter(len(ids), truth, b.config.vocab_size)
+    tb, fb = run(b, GenerationRequest(ids, GREEDY, max_tokens=32, ignore_eos=True, stop=(stop,)))
+    assert fa.reason == fb.reason == "stop" and text_of(tb, fb) == text_of(ta, fa)
+    assert fb.token_ids == fa.token_ids and fb.timings.draft_n_accepted > 3
+    assert b.engine.cache_tokens == ids + fb.token_ids[:-1] == a.engine.cache_tokens
+    assert b.engine.cache.length == len(b.engine.cache_tokens)
+
+
+def test_a_follow_up_turn_reuses_exactly_the_accepted_tokens(pair):
+    a, b = pair
+    first = ids_of(a, "Tell me a story about a lighthouse.")
+    _, fa = run(a, GenerationRequest(first, GREEDY, max_tokens=24))
+    b.engine.drafter = lambda: OracleDrafter(len(first), fa.token_ids, b.config.vocab_size)
+    _, fb = run(b, GenerationRequest(first, GREEDY, max_tokens=24))
+    assert fa.token_ids == fb.token_ids and fb.timings.draft_n_accepted > 0
+    answer = a.tokenizer.decode(fa.token_ids)
+    second = ids_of(a, "Now say it shorter.", [{"role": "user", "content": "Tell me a story about a lighthouse."},
+                                               {"role": "assistant", "content": answer}])
+    _, sa = run(a, GenerationRequest(second, GREEDY, max_tokens=16))
+    _, sb = run(b, GenerationRequest(second, GREEDY, max_tokens=16))
+    assert sb.timings.cache_n == sa.timings.cache_n > len(first)
+    assert sb.token_ids == sa.token_ids
+
+
+def test_draft_models_with_and_for_recurrent_layers(tiny_qwen3_5, tiny_qwen3_5_moe, tiny_qwen3_untied):
+    """Qwen3.5 drafting for itself (every draft accepted: the draft's own cut lands on kept states), Qwen3.5 for
+    another Qwen3.5 and for a Qwen3, a Qwen3 for a Qwen3.5: the tokens stay plain decoding's, twice in a row
+    (the second request keeps the draft's prefix or falls back to a kept state)."""
+    opts = dict(context_length=512, prefill_chunk=16)
+    plain = {p: load_model(p, LoadOptions(**opts, spec=SpecOptions("none")))
+             for p in (tiny_qwen3_5, tiny_qwen3_5_moe, tiny_qwen3_untied)}
+    cases = [(tiny_qwen3_5, tiny_qwen3_5), (tiny_qwen3_5, tiny_qwen3_5_moe), (tiny_qwen3_untied, tiny_qwen3_5),
+             (tiny_qwen3_5_moe, tiny_qwen3_untied)]
+    for target, draft in cases:
+        b = load_model(target, LoadOptions(**opts, spec=SpecOptions(draft_max=4), draft_model=draft))
+        for prompt in ("Tell me a story about a lighthouse.", "Tell me a story about a lighthouse keeper."):
+            req = GenerationRequest(ids_of(plain[target], prompt), GREEDY, max_tokens=20, ignore_eos=True)
+            _, fa = run(plain[target], req)
+            _, fb = run(b, req)
+            assert fb.token_ids == fa.token_ids, (target, draft)
+            assert fb.timings.draft_n > 0
+            if target == draft:
+                assert fb.timings.draft_n_accepted == fb.timings.draft_n
