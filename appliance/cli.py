@@ -101,8 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "first request after a restart is warm")
     s.add_argument("--no-prefix-cache", action="store_true",
                    help="prefill every prompt from scratch (no KV reuse across requests)")
-    s.add_argument("--spec", choices=["ngram", "none"], default="ngram",
-                   help="speculative decoding: drafts looked up in the prompt and output (default) or none")
+    s.add_argument("--spec", choices=["auto", "ngram", "mtp", "none"], default="auto",
+                   help="speculative decoding: auto (default): the model's MTP head if its checkpoint has one "
+                        "(Qwen3.5), else ngram; ngram: drafts looked up in the prompt and output; mtp; none")
     s.add_argument("--draft-model", "-md", metavar="PATH",
                    help="speculative decoding from this smaller model (Hugging Face directory or .gguf; the model's "
                         "tokenizer), instead of drafts from the prompt")

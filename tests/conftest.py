@@ -92,6 +92,19 @@ def tiny_qwen3_5_moe(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_5_mtp(tmp_path_factory) -> str:
+    """tiny_qwen3_5's shape (seed 8) with a random multi-token-prediction head (mtp.*, tiny_models.add_mtp_head)."""
+    return tiny_models.build_qwen3_5(str(tmp_path_factory.mktemp("tiny-qwen3_5-mtp")), seed=8, mtp=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_moe_mtp(tmp_path_factory) -> str:
+    """tiny_qwen3_5_moe's shape (seed 9) with an MTP head whose layer is an MoE layer."""
+    return tiny_models.build_qwen3_5(str(tmp_path_factory.mktemp("tiny-qwen3_5-moe-mtp")), moe=True, layers=4,
+                                     interval=2, tie=True, seed=9, mtp=True)
+
+
+@pytest.fixture(scope="session")
 def qwen3_5_gguf(tmp_path_factory) -> dict[str, str]:
     """Qwen3.5 dense, 8 layers (3 linear, 1 full) x 2: {"hf": checkpoint, "f32"/"f16": llama.cpp's converter's
     qwen35 files of it} (tests/support/qwen3_5_gguf.py)."""

@@ -27,9 +27,11 @@ from appliance.native.ops_numpy import grouped_attention, rms_norm
 
 from .config import UnsupportedModelError
 from .qwen3 import apply_rope, rope_cos_sin
-from .recurrent_cache import HybridCache, RecurrentState
+from .qwen3_5_mtp import MtpHead, catch_up
+from .recurrent_cache import MTP_HIDDEN, HybridCache, RecurrentState
 
 FULL, LINEAR = "full_attention", "linear_attention"
+_NO_SSM = np.zeros((0, 0, 0), np.float32)  # the MTP hidden state's unused second array (recurrent_cache.MTP_HIDDEN)
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class Qwen35Config:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    mtp_layers: int = 0  # mtp_num_hidden_layers: the multi-token-prediction head's layers (qwen3_5_mtp.py)
 
     @property
     def rotary_dim(self) -> int:
@@ -138,6 +141,7 @@ class Qwen35Config:
             num_experts_per_tok=int(d.get("num_experts_per_tok", 0)) if moe else 0,
             moe_intermediate_size=int(d.get("moe_intermediate_size", 0)) if moe else 0,
             shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size", 0)) if moe else 0,
+            mtp_layers=int(d.get("mtp_num_hidden_layers") or 0),
         )
 
 
@@ -197,12 +201,15 @@ class Qwen35Model:
     runner: object = None  # no native whole-decoder runner for this architecture (layer_runner)
     delta: DeltaOps = NUMPY_DELTA  # the delta rule's code, chosen at load (layer_runner.choose_runner)
     recurrent = True  # the engine cannot cut this model's cache anywhere (recurrent_cache.HybridCache)
+    mtp: MtpHead | None = None  # the checkpoint's multi-token-prediction head, if it has one and it is read
+    mtp_on: bool = False  # new caches keep the head's keys and hidden state (--spec mtp), and forward feeds it
 
     def new_cache(self, max_len: int, dtype=np.float32) -> HybridCache:
         c = self.config
         return HybridCache(c.layer_types, c.num_key_value_heads, c.head_dim, max_len, dtype,
                            (c.linear_conv_kernel_dim - 1, c.conv_dim),
-                           (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim))
+                           (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
+                           mtp_hidden=c.hidden_size if self.mtp_on and self.mtp is not None else 0)
 
     def forward(self, tokens: np.ndarray, cache: HybridCache, logits: str = "last") -> np.ndarray | None:
         """Append tokens (T,) to the sequence in cache. logits: 'last' -> (vocab,), 'all' -> (T, vocab), 'none'."""
@@ -222,8 +229,13 @@ class Qwen35Model:
             else:
                 h = h + gated_attention(c, layer.mixer, x, cache, i, cos, sin)
             h = h + layer.mlp(rms_norm(h, layer.mlp_norm, c.rms_norm_eps))
+        h = rms_norm(h, self.norm, c.rms_norm_eps)  # (T, hidden)
+        if cache.mtp_layer is not None and self.mtp is not None:  # the head's keys and its next input
+            catch_up(self, tokens, h, cache, cos, sin)
+            if cache.keep_steps:
+                cache.keep_step(MTP_HIDDEN, [RecurrentState(h[t:t + 1].copy(), _NO_SSM) for t in range(T)])
+            cache.state[MTP_HIDDEN].conv[0] = h[-1]
         cache.commit(T)
-        h = rms_norm(h, self.norm, c.rms_norm_eps)
         if logits == "none":
             return None
         if logits == "last":

@@ -52,18 +52,31 @@ class RecurrentState:
 States = list[RecurrentState]
 
 
+MTP_HIDDEN = -1  # the state key of the last position's final hidden state (what the MTP head reads next)
+
+
 class HybridCache:
-    """KV for the full-attention layers (`kv_slot[layer]`), recurrent states for the linear ones (`state[layer]`)."""
+    """KV for the full-attention layers (`kv_slot[layer]`), recurrent states for the linear ones (`state[layer]`).
+    With `mtp_hidden` (the MTP head drafts, qwen3_5_mtp.py): one more KV slot, for the head's attention layer
+    (`kv_slot[mtp_layer]`, the layer after the last), and the last position's final hidden state (hidden,)
+    kept as one more state (`state[MTP_HIDDEN].conv[0]`, zeros at a sequence start), so cuts, snapshots, steps
+    and prefix copies carry the head's cache with the model's."""
 
     exact = True  # prefixes are whole sequences: kept only where a state exists
 
     def __init__(self, layer_types: tuple[str, ...], n_kv_heads: int, head_dim: int, max_len: int, dtype,
-                 conv_shape: tuple[int, int], ssm_shape: tuple[int, int, int], max_snapshots: int = 4):
+                 conv_shape: tuple[int, int], ssm_shape: tuple[int, int, int], max_snapshots: int = 4,
+                 mtp_hidden: int = 0):
         full = [i for i, t in enumerate(layer_types) if t == "full_attention"]
+        self.mtp_layer = len(layer_types) if mtp_hidden else None
+        if self.mtp_layer is not None:
+            full.append(self.mtp_layer)
         self.kv = KVCache(len(full), n_kv_heads, head_dim, max_len, dtype)
         self.kv_slot = {layer: j for j, layer in enumerate(full)}
         self.state = {i: RecurrentState(np.zeros(conv_shape, np.float32), np.zeros(ssm_shape, np.float32))
                       for i, t in enumerate(layer_types) if t != "full_attention"}
+        if mtp_hidden:
+            self.state[MTP_HIDDEN] = RecurrentState(np.zeros((1, mtp_hidden), np.float32), np.zeros((0, 0, 0), np.float32))
         self.max_snapshots = max_snapshots
         self.snapshots: dict[int, States] = {}  # position -> states of every linear layer there
         self.keep_steps = False  # set around a verify forward: the linear layers keep their state per position

@@ -9,7 +9,10 @@ Policies:
   (n-gram lookup, a draft model's greedy choice) this is speculative sampling's accept/resample rule with the
   draft distribution one-hot: the emitted sequence has the target distribution, and with the same seed it is
   the sequence plain decoding draws (the generator is consumed once per emitted token, as without drafts).
-- Drafts from the prompt (`ngram`, the default): the most recent earlier occurrence of the last n tokens
+- The default (`auto`): a Qwen3.5 checkpoint's own multi-token-prediction head (`mtp`, qwen3_5_mtp.py) when
+  it has one and no --draft-model is given (a trained draft beats a lookup on free text, and it costs one
+  decoder layer a step), else drafts from the prompt. `--spec ngram` keeps the lookup on such a model.
+- Drafts from the prompt (`ngram`): the most recent earlier occurrence of the last n tokens
   (n = 3, then 2) in the prompt and the output so far proposes the tokens that followed it. No match, no
   draft: a step without a draft is a plain decode step and costs nothing extra.
 - Drafts from a model (`--draft-model`, draft_model.py): a smaller model of the same tokenizer drafts its greedy
@@ -29,13 +32,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Literal, Protocol, Sequence
 
-SpecMode = Literal["ngram", "none"]
-SPEC_MODES: tuple[SpecMode, ...] = ("ngram", "none")
+SpecMode = Literal["auto", "ngram", "mtp", "none"]
+SPEC_MODES: tuple[SpecMode, ...] = ("auto", "ngram", "mtp", "none")
 
 
 @dataclass(frozen=True)
 class SpecOptions:
-    mode: SpecMode = "ngram"
+    mode: SpecMode = "auto"  # auto: the model's MTP head when its checkpoint has one, else the prompt's n-grams
     draft_max: int = 8   # drafted tokens per verify, at most (llama-server's --draft-max)
     draft_min: int = 1   # and at least, when drafting (--draft-min)
 

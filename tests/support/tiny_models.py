@@ -208,12 +208,12 @@ def fuse_experts(src_dir: str, out_dir: str) -> str:
 def build_qwen3_5(out_dir: str, *, moe: bool = False, hidden: int = 64, layers: int = 6, interval: int = 3,
                   heads: int = 4, kv_heads: int = 2, head_dim: int = 16, intermediate: int = 96, tie: bool = False,
                   seed: int = 0, init_std: float = 0.2, experts: int = 8, top_k: int = 2,
-                  linear_dims: tuple[int, int] = (8, 12)) -> str:
+                  linear_dims: tuple[int, int] = (8, 12), mtp: bool = False) -> str:
     """A tiny random Qwen3.5 (Qwen3_5ForConditionalGeneration / Qwen3_5MoeForConditionalGeneration: the published
     layout, `model.language_model.*` plus a one-block vision tower) saved in bf16: `layers` layers, every
     `interval`-th full attention (gated, partial rotary), the rest Gated DeltaNet with 2 key heads serving 4 value
     heads (key / value head sizes `linear_dims`; llama.cpp serves equal ones only). moe: 8 routed experts (top-2) and a
-    shared expert in every layer."""
+    shared expert in every layer. mtp: a multi-token-prediction head too (add_mtp_head)."""
     import torch
     import transformers
 
@@ -248,4 +248,62 @@ def build_qwen3_5(out_dir: str, *, moe: bool = False, hidden: int = 64, layers: 
     write_tokenizer(out_dir)
     write_generation_config(out_dir)
     shutil.copyfile(os.path.join(FIXTURES, "qwen3", "chat_template.jinja"), os.path.join(out_dir, "chat_template.jinja"))
+    if mtp:
+        add_mtp_head(out_dir, seed=seed + 1000)
+    return out_dir
+
+
+def add_mtp_head(out_dir: str, seed: int = 0) -> None:
+    """The published checkpoints' `mtp.*` head (transformers has no module for it and drops it on save), written
+    into the safetensors with random values: fc (hidden, 2 hidden), pre_fc_norm_embedding / _hidden and norm
+    (zero-centred), and `mtp.layers.0.*` shaped as the last full-attention layer (MoE in MoE checkpoints), its
+    tensors that layer's plus noise; config.json's text_config gets mtp_num_hidden_layers = 1."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(out_dir, "model.safetensors")
+    tensors = load_file(path)
+    with open(os.path.join(out_dir, "config.json")) as f:
+        cfg = json.load(f)
+    text = cfg["text_config"]
+    hidden = text["hidden_size"]
+    full = max(i for i, kind in enumerate(text["layer_types"]) if kind == "full_attention")
+    g = torch.Generator().manual_seed(seed)
+    src = f"model.language_model.layers.{full}."
+    for name, t in list(tensors.items()):
+        if name.startswith(src):
+            noise = 0.2 * torch.randn(t.shape, generator=g)
+            tensors["mtp.layers.0." + name[len(src):]] = (t.float() + noise).to(t.dtype).contiguous()
+    tensors["mtp.fc.weight"] = (torch.randn((hidden, 2 * hidden), generator=g) * 0.15).to(torch.bfloat16)
+    for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{n}.weight"] = (0.3 * torch.randn((hidden,), generator=g)).to(torch.bfloat16)
+    save_file(tensors, path, metadata={"format": "pt"})
+    text["mtp_num_hidden_layers"] = 1
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def make_bigram_with_mtp(model_dir: str, out_dir: str) -> str:
+    """A copy of a tiny Qwen3.5 with an MTP head whose drafts are right by construction: every layer's output
+    projections (attention o_proj / linear out_proj, the MLP's and experts' down_proj) are zero, so the final
+    hidden state is norm(embed(x)) and the next token a function of the current one; the head's layer is zeroed
+    the same way, its fc passes the normed embedding half through (identity, the hidden half zero) and its norm
+    is the model's, so it drafts exactly that function of the token it is given (a chain of drafts is accepted
+    as long as the head is fed the right token at the right place)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out_dir, dirs_exist_ok=True)
+    path = os.path.join(out_dir, "model.safetensors")
+    t = load_file(path)
+    for name in t:
+        if ".layers." in name and any(p in name for p in ("o_proj", "out_proj", "down_proj")):
+            t[name] = torch.zeros_like(t[name])
+    hidden = t["mtp.fc.weight"].shape[0]
+    t["mtp.fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1).to(t["mtp.fc.weight"].dtype)
+    t["mtp.pre_fc_norm_embedding.weight"] = torch.zeros_like(t["mtp.pre_fc_norm_embedding.weight"])
+    t["mtp.norm.weight"] = t["model.language_model.norm.weight"].clone()
+    save_file(t, path, metadata={"format": "pt"})
     return out_dir

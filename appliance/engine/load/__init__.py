@@ -301,10 +301,21 @@ def finish(path: str, ckpt: Checkpoint, options: LoadOptions, phases: Phases | N
                                  name=model_name(options.draft_model), reuse_prefix=options.prefix_reuse)
         log.info("speculative decoding: drafts from %s (up to %d tokens a step; %s)", draft_model.name,
                  options.spec.draft_max, "off: --spec none" if not options.spec.enabled else "instead of the prompt's")
+    head = getattr(ckpt.model, "mtp", None)  # Qwen3.5's multi-token-prediction head (qwen3_5_mtp.py)
+    if options.spec.mode == "mtp" and head is None:
+        raise ModelLoadError("--spec mtp: this model has no multi-token-prediction head (mtp.* tensors)")
+    use_mtp = head is not None and draft_model is None and options.spec.mode in ("auto", "mtp")
+    if use_mtp:
+        cast(Any, ckpt.model).mtp_on = True  # its caches keep the head's keys; each forward feeds it
+        log.info("speculative decoding: drafts from the model's MTP head (up to %d tokens a step)",
+                 options.spec.draft_max)
     # cast: Qwen3VLModel.forward takes the MRopeCache its own new_cache makes (the Engine only passes that one)
     engine = Engine(cast("CausalLM", ckpt.model), ckpt.tokenizer, ckpt.eos_ids, ctx, options.prefill_chunk, kv_dtype=dtype,
                     cache_bytes=cache_bytes, reuse_prefix=options.prefix_reuse, spec=options.spec,
                     draft_model=draft_model)
+    if use_mtp:
+        from ..qwen3_5_mtp import mtp_drafter
+        engine.drafter = mtp_drafter(ckpt.model, engine.cache)
     phases.mark("engine (KV and prefix caches)")
     if options.prompt_cache_dir and recurrent:
         log.warning("--prompt-cache-dir: not kept for this model (its recurrent states are not written to disk)")

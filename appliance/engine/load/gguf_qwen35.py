@@ -8,8 +8,10 @@ Policies:
   layers are linear from `attention.recurrent_layers` or, without it, `full_attention_interval` (as llama.cpp
   reads them), the rotary part of a head from `rope.dimension_count`. Text positions are equal on all M-RoPE
   axes, so `rope.dimension_sections` changes nothing for text. A multi-token-prediction block
-  (`nextn_predict_layers`: the last blocks) is checked to be there and not read: files with or without it load
-  alike.
+  (`nextn_predict_layers`: the last blocks, written by the converter unless --no-mtp) is read as the MTP head
+  (qwen3_5_mtp.py): blk.{n}.nextn.eh_proj / enorm / hnorm / shared_head_norm (the converter's renames of
+  fc / pre_fc_norm_embedding / pre_fc_norm_hidden / norm, its norms shifted +1 like every other) and the block's
+  full-attention layer tensors under their usual names; files with or without it load alike.
 - The converter's transformations are undone here, never in the forward pass: the zero-centred RMSNorm
   weights are stored shifted (+1) already and used as stored (the gated output norm, ssm_norm, is a plain
   weight in both); ssm_a holds -exp(A_log) (A_log = log(-ssm_a)); conv1d is stored squeezed (ne = [K, conv_dim],
@@ -33,6 +35,7 @@ import numpy as np
 
 from .. import qwen3
 from ..qwen3_5 import FULL, LINEAR, GatedAttention, GatedDeltaNet, Layer, Qwen35Config, Qwen35Model, SharedExpertMoE
+from ..qwen3_5_mtp import MtpHead
 from ..qwen3_moe import ExpertLoadStats, Experts, MoEConfig, SparseMoE
 from ..weights import DenseWeight
 from .gguf_check import (
@@ -113,6 +116,7 @@ def qwen35_config(meta: dict[str, Any], tensors: dict) -> Qwen35Config:
         layer_types=tuple(LINEAR if r else FULL for r in recurrent[:n_layers]),
         linear_conv_kernel_dim=key("ssm.conv_kernel", hi=64), linear_key_head_dim=key("ssm.state_size"),
         linear_value_head_dim=inner // nv, linear_num_key_heads=nk, linear_num_value_heads=nv,
+        mtp_layers=blocks - n_layers,
         mrope_section=tuple(s for s in sections[:3]), **moe)
 
 
@@ -227,6 +231,14 @@ def build_qwen35(cfg: Qwen35Config, f, meta: dict[str, Any]) -> Qwen35Model:
     embed = f.matrix(gguf_model("embed"))
     lm_head = embed if cfg.tie_word_embeddings else f.matrix(gguf_model("lm_head"))
     model = Qwen35Model(cfg, embed, layers, f.vector(gguf_model("norm")), lm_head)
+    n = cfg.num_hidden_layers
+    if cfg.mtp_layers == 1 and f"blk.{n}.nextn.eh_proj.weight" in f.tensors:
+        head_norm = f"blk.{n}.nextn.shared_head_norm.weight"  # absent: the model's output norm (as llama.cpp)
+        head_layer = Layer(vec(n, "attn_norm"), GatedAttention(w(n, "q"), w(n, "k"), w(n, "v"), w(n, "o"),
+                           q_norm=vec(n, "q_norm"), k_norm=vec(n, "k_norm")), vec(n, "mlp_norm"), mlp(n))
+        model.mtp = MtpHead(f.matrix(f"blk.{n}.nextn.eh_proj.weight"), f.vector(f"blk.{n}.nextn.enorm.weight"),
+                            f.vector(f"blk.{n}.nextn.hnorm.weight"), head_layer,
+                            f.vector(head_norm if head_norm in f.tensors else gguf_model("norm")))
     if moe is not None:
         model.expert_stats = stats  # type: ignore[attr-defined]
         model.moe_config = moe  # type: ignore[attr-defined]

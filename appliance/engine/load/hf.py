@@ -13,7 +13,9 @@ Qwen3.5 (`qwen3_5`, `qwen3_5_moe`, and the text-only `*_text` layouts) quirks:
   top in both.
 - The decoder's RMSNorm weights (input, post-attention, q/k, final) are zero-centred (applied as 1 + w): shifted
   here once; the linear-attention output norm is a plain weight. conv1d is stored (conv_dim, 1, K).
-- `mtp.*` tensors (the multi-token-prediction head) are not read; files with or without them load alike.
+- `mtp.*` tensors (the multi-token-prediction head, `mtp_num_hidden_layers`): fc, pre_fc_norm_embedding,
+  pre_fc_norm_hidden, norm at `mtp.`, its one layer as a full-attention layer at `mtp.layers.0.` (all norms
+  zero-centred); read when present (qwen3_5_mtp.py), files without them load alike.
 - The vision tower (`model.visual.*`, Qwen3-VL's without DeepStack) is not loaded yet: the model is text-only
   and image parts are refused (400).
 - MoE: experts per expert or fused (hf_experts), the router always renormalises its top-k, plus a shared
@@ -42,6 +44,7 @@ from ..qwen3_5 import (
     Qwen35Model,
     SharedExpertMoE,
 )
+from ..qwen3_5_mtp import MtpHead
 from ..qwen3_moe import ExpertLoadStats, Experts, MoEConfig, SparseMoE
 from ..qwen3_vl import Qwen3VLModel
 from ..safetensors import SafeTensors, SafetensorsError, to_float32
@@ -364,20 +367,23 @@ def build_qwen3_5(st: SafeTensors, cfg_dict: dict, options: LoadOptions = LoadOp
     if cfg.num_experts:
         moe = MoEConfig(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, norm_topk_prob=True)
 
-    def mlp(i: int):
+    def mlp(i: int, names: HFNames = names, stats_layer: int | None = None):
         if moe is None:
             return qwen3.SwiGLU(*(dense_weight(st, names.layer(i, r)) for r in ("gate", "up", "down")))
         q = names.qwen35
-        routed = SparseMoE(i, st.float32(q(i, "router")), hf_experts(st, names, i, moe.num_experts), moe, stats)
+        routed = SparseMoE(i if stats_layer is None else stats_layer, st.float32(q(i, "router")),
+                           hf_experts(st, names, i, moe.num_experts), moe, stats)
         shared = qwen3.SwiGLU(*(dense_weight(st, q(i, r)) for r in ("shared_gate_proj", "shared_up", "shared_down")))
         return SharedExpertMoE(routed, shared, st.float32(q(i, "shared_gate")))
+
+    def attention(i: int, names: HFNames = names) -> GatedAttention:
+        q, k, v, o = (dense_weight(st, names.layer(i, r)) for r in ("q", "k", "v", "o"))
+        return GatedAttention(q, k, v, o, q_norm=norm(names.layer(i, "q_norm")), k_norm=norm(names.layer(i, "k_norm")))
 
     layers = []
     for i, kind in enumerate(cfg.layer_types):
         if kind == FULL:
-            q, k, v, o = (dense_weight(st, names.layer(i, r)) for r in ("q", "k", "v", "o"))
-            mixer: GatedAttention | GatedDeltaNet = GatedAttention(
-                q, k, v, o, q_norm=norm(names.layer(i, "q_norm")), k_norm=norm(names.layer(i, "k_norm")))
+            mixer: GatedAttention | GatedDeltaNet = attention(i)
         else:
             n = names.qwen35
             conv = st.float32(n(i, "conv"))
@@ -394,6 +400,14 @@ def build_qwen3_5(st: SafeTensors, cfg_dict: dict, options: LoadOptions = LoadOp
     untied = not cfg.tie_word_embeddings and names.model("lm_head") in st
     lm_head = dense_weight(st, names.model("lm_head")) if untied else embed
     model = Qwen35Model(cfg, embed, layers, norm(names.model("norm")), lm_head)
+    if cfg.mtp_layers and "mtp.fc.weight" in st:
+        if cfg.mtp_layers != 1:
+            raise UnsupportedModelError(f"mtp_num_hidden_layers {cfg.mtp_layers}: one MTP layer is served")
+        m = HFNames("mtp.")
+        head_layer = HybridLayer(norm(m.layer(0, "attn_norm")), attention(0, m), norm(m.layer(0, "mlp_norm")),
+                                 mlp(0, m, stats_layer=cfg.num_hidden_layers))
+        model.mtp = MtpHead(dense_weight(st, "mtp.fc.weight"), norm("mtp.pre_fc_norm_embedding.weight"),
+                            norm("mtp.pre_fc_norm_hidden.weight"), head_layer, norm("mtp.norm.weight"))
     if moe is not None:
         model.expert_stats = stats  # type: ignore[attr-defined]
         model.moe_config = moe  # type: ignore[attr-defined]
