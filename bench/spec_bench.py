@@ -169,6 +169,78 @@ def bench_draft_model(label: str, path: str, drafts: list[str], tasks: list[str]
             print(f"| {label} | {task} | {len(ids)} | {len(want or [])} | {cells} | {med['llama']:.1f} |", flush=True)
 
 
+QWEN35_SHAPES = {  # --qwen35 entries: random Qwen3.5 checkpoints with an MTP head (tests/support/tiny_models.py)
+    "tiny": dict(seed=16, layers=8, interval=4, linear_dims=(16, 16)),  # tests/support/qwen3_5_gguf.py's shape (llama.cpp runs it)
+    # the 2B's widths (hidden 2048, 8/2 heads of 256, 16/16 linear heads of 128, MLP 6144, tied), 8 of its 24
+    # layers (6 linear, 2 full) and the Qwen3 tokenizer's 152K vocabulary (the 2B has 248K)
+    "2b8": dict(seed=6, hidden=2048, layers=8, interval=4, heads=8, kv_heads=2, head_dim=256, intermediate=6144,
+                linear_dims=(128, 128), linear_heads=(16, 16), tie=True, init_std=0.02),
+}
+
+
+def qwen35_checkpoint(name: str, bigram: bool) -> str:
+    """A random Qwen3.5 with an MTP head (built once under the bench cache); bigram: its copy whose head is right
+    by construction (tiny_models.make_bigram_with_mtp: acceptance forced, so the row shows what accepted MTP
+    drafts buy at this shape)."""
+    import gguf_bench
+
+    from tests.support.tiny_models import build_qwen3_5, make_bigram_with_mtp
+    out = os.path.join(gguf_bench.CACHE, f"random-qwen3_5-{name}-mtp")
+    if not os.path.exists(os.path.join(out, "config.json")):
+        build_qwen3_5(out + ".tmp", mtp=True, **QWEN35_SHAPES[name])
+        os.rename(out + ".tmp", out)
+    if not bigram:
+        return out
+    dst = out + "-bigram"
+    if not os.path.exists(os.path.join(dst, "config.json")):
+        make_bigram_with_mtp(out, dst + ".tmp")
+        os.rename(dst + ".tmp", dst)
+    return dst
+
+
+def bench_qwen35(name: str, bigram: bool, tasks: list[str], threads: int, n: int, runs: int) -> None:
+    """Ours with MTP drafts vs n-gram drafts vs plain on one Qwen3.5 checkpoint (one load, three engines), and
+    llama.cpp plain on its converter's f16 GGUF of the same checkpoint."""
+    from tests.support.llama_convert import convert_hf
+    kernels.configure_threads(threads)
+    path = qwen35_checkpoint(name, bigram)
+    gguf_path = path + ".f16.gguf"
+    if not os.path.exists(gguf_path):
+        convert_hf(path, gguf_path + ".tmp", "f16", timeout=1800)
+        os.rename(gguf_path + ".tmp", gguf_path)
+    target = load_model(path, LoadOptions(context_length=2048, threads=threads, spec=SpecOptions("none")))
+    target.engine.warm_up()
+    from appliance.engine.qwen3_5_mtp import mtp_drafter
+    target.model.mtp_on = True  # only the MTP arm's cache has the head's slot (its forwards alone feed the head)
+    arms = {"mtp": engine_arm(target, SpecOptions("mtp"))}
+    arms["mtp"].engine.drafter = mtp_drafter(target.model, arms["mtp"].engine.cache)
+    target.model.mtp_on = False
+    arms.update(ngram=engine_arm(target, SpecOptions("ngram")), plain=target)
+    label = f"qwen3.5-{name}{'-bigram' if bigram else ''}"
+    with peer_module().LlamaCppPeer(gguf_path, n_threads=threads, n_ctx=2048) as lp:
+        for task in tasks:
+            ids = target.tokenizer.encode(target.chat_template.render(
+                [{"role": "user", "content": TASKS[task]}], add_generation_prompt=True))
+            speed: dict[str, list[float]] = {k: [] for k in [*arms, "llama"]}
+            accepted: dict[str, str] = {}
+            want: list[int] = []
+            for _ in range(runs):
+                for k, m in arms.items():
+                    tok_s, tokens, drafted, acc = ours_run(m, ids, n)
+                    if k != "mtp" and tokens != want:
+                        raise SystemExit(f"{label}/{task}/{k}: drafts changed the greedy tokens")
+                    want = tokens
+                    speed[k].append(tok_s)
+                    accepted[k] = f"{acc}/{drafted}"
+                g = lp.generate(ids, len(want), direct=True)
+                speed["llama"].append((len(g["tokens"]) - 1) / g["decode_s"] if g["decode_s"] > 0 else 0.0)
+            med = {k: statistics.median(v) for k, v in speed.items()}
+            base = med["llama"] or 1e-9
+            cells = " | ".join(f"{med[k]:.1f} ({med[k] / base:.2f}x) {accepted.get(k, '')}".strip() for k in arms)
+            print(f"| {label} | {task} | {len(ids)} | {len(want)} | {cells} | {med['llama']:.1f} | "
+                  f"load {os.getloadavg()[0]:.1f} |", flush=True)
+
+
 def print_row(r: dict) -> None:
     base = r["llama"] or 1e-9
     acc = f"{r['accepted']}/{r['drafted']}" if r["drafted"] else "0/0"
@@ -185,9 +257,19 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--draft-model", default="", help="comma list of drafts: self, tiny, or paths")
-    ap.add_argument("--tasks", default=",".join(TASKS), help="with --draft-model: comma list of tasks")
+    ap.add_argument("--tasks", default=",".join(TASKS), help="with --draft-model or --qwen35: comma list of tasks")
+    ap.add_argument("--qwen35", default="", help="comma list of Qwen3.5 checkpoints with an MTP head: tiny, 2b8, "
+                                                 "each optionally +bigram (its head right by construction)")
     a = ap.parse_args(argv)
     print(f"load average {os.getloadavg()[0]:.1f}; {a.threads} threads; greedy, up to {a.tokens} tokens")
+    if a.qwen35:
+        print("| model | task | prompt tokens | tokens | ours MTP tok/s, accepted/drafted | ours n-gram | ours plain "
+              "| llama.cpp plain tok/s | load |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for entry in a.qwen35.split(","):
+            name, _, variant = entry.partition("+")
+            bench_qwen35(name, variant == "bigram", a.tasks.split(","), a.threads, a.tokens, a.runs)
+        return 0
     if a.draft_model:
         drafts = a.draft_model.split(",")
         print("| model | task | prompt tokens | tokens | " + " | ".join(f"ours draft {d} tok/s, accepted/drafted"

@@ -208,7 +208,8 @@ def fuse_experts(src_dir: str, out_dir: str) -> str:
 def build_qwen3_5(out_dir: str, *, moe: bool = False, hidden: int = 64, layers: int = 6, interval: int = 3,
                   heads: int = 4, kv_heads: int = 2, head_dim: int = 16, intermediate: int = 96, tie: bool = False,
                   seed: int = 0, init_std: float = 0.2, experts: int = 8, top_k: int = 2,
-                  linear_dims: tuple[int, int] = (8, 12), mtp: bool = False) -> str:
+                  linear_dims: tuple[int, int] = (8, 12), mtp: bool = False,
+                  linear_heads: tuple[int, int] = (2, 4)) -> str:
     """A tiny random Qwen3.5 (Qwen3_5ForConditionalGeneration / Qwen3_5MoeForConditionalGeneration: the published
     layout, `model.language_model.*` plus a one-block vision tower) saved in bf16: `layers` layers, every
     `interval`-th full attention (gated, partial rotary), the rest Gated DeltaNet with 2 key heads serving 4 value
@@ -221,7 +222,8 @@ def build_qwen3_5(out_dir: str, *, moe: bool = False, hidden: int = 64, layers: 
     torch.manual_seed(seed)
     text = dict(vocab_size=151936, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                 num_key_value_heads=kv_heads, head_dim=head_dim, linear_conv_kernel_dim=4, linear_key_head_dim=linear_dims[0],
-                linear_value_head_dim=linear_dims[1], linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_value_head_dim=linear_dims[1], linear_num_key_heads=linear_heads[0],
+                linear_num_value_heads=linear_heads[1],
                 full_attention_interval=interval, max_position_embeddings=4096, tie_word_embeddings=tie,
                 rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5,
                                  "mrope_section": [2, 1, 1], "mrope_interleaved": True},
