@@ -21,7 +21,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from appliance.native import abi, kernels
 from appliance.native.qtypes import QType
-from bench.native_kernels import weight_bytes
+from bench.gguf_bench import random_blocks
 
 E, K, D, I = 128, 8, 2048, 768
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -38,9 +38,9 @@ def open_lib(path: str):
 
 def layer(q: QType, rng) -> kernels.MoEFFN:
     """One MoE layer's experts, stacked as GGUF stores them, bound as kq_moe."""
-    gate = weight_bytes(q, E * I, D, rng).reshape(E, I, -1)
-    up = weight_bytes(q, E * I, D, rng).reshape(E, I, -1)
-    down = weight_bytes(q, E * D, I, rng).reshape(E, D, -1)
+    gate = random_blocks(rng, q.name, E * I, D).reshape(E, I, -1)  # any stored type, sane fp16 scales
+    up = random_blocks(rng, q.name, E * I, D).reshape(E, I, -1)
+    down = random_blocks(rng, q.name, E * D, I).reshape(E, D, -1)
     router = rng.standard_normal((E, D)).astype(np.float32)
     return kernels.MoEFFN(router, K, True, (q, list(gate)), (q, list(up)), (q, list(down)))
 
@@ -120,8 +120,10 @@ def main(argv=None) -> int:
                                            xd.ctypes.data, 1, od.ctypes.data)
 
         x8s = []
-        if "x8" in a.what:  # the same gate matrices in the x8 layout (the dense weights' path), for reference
-            x8s = [kernels.repack_x8(q, gates[i]) for i in order[:64]]
+        if "x8" in a.what:  # the same gate matrices in the x8 layout (the dense weights' path), for reference: all of
+            # them, so both sides read the same number of bytes (this CPU's L3 holds 480 MB: 64 matrices would be a
+            # cache-resident baseline against in-place experts read from memory)
+            x8s = [kernels.repack_x8(q, gates[i]) for i in order]
 
         def x8(lib):
             return lambda i: lib.kq_matmul(int(q) | kernels.X8, x8s[i % len(x8s)].ctypes.data, I, D,
