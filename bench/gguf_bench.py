@@ -5,7 +5,11 @@ GGUF files, side by side in one run: decode tok/s (128 tokens) and prefill tok/s
 Models: (a) SmolLM2-135M-Instruct Q4_1 (the real file, scripts/fetch_smollm2.py), (b) a Qwen3-1.7B-shaped
 random model (hidden 2048, 28 layers, 16/8 heads, head_dim 128, intermediate 6144, vocab 151936, tied) in
 Q8_0 and Q4_0 (or any type of SCALE_FIELDS: --models q5_k,iq4_xs), written directly with GGUFWriter (random
-blocks with sane scales; speed does not depend on the values) and cached in ~/.cache/kestrel-bench.
+blocks with sane scales; speed does not depend on the values) and cached in ~/.cache/kestrel-bench; or (c) the
+files people download: `llama-<ftype>` (llama-q4_k_m, llama-q5_k_m, llama-q6_k, llama-iq4_xs, ...) is the same
+shape written as random F16 and quantized by llama.cpp's own quantizer (bench/peer.py's quantize), so the file
+holds the mix of tensor types llama.cpp picks for that ftype (Q4_K_M: Q4_K + Q6_K for the head and some
+attn_v / ffn_down).
 
 Printed per row: both speeds, ours/llama.cpp ratios, and the fraction of the memory-bandwidth limit:
 limit tok/s = measured copy bandwidth / weight bytes read per token (every matrix once, the tied embedding
@@ -82,8 +86,24 @@ def bench_file(name: str) -> tuple[str, str]:
     """(row label, GGUF path) of a --models entry: "smollm2" (the real file) or a quant type of the 1.7B shape."""
     if name == "smollm2":
         return "smollm2-135m-q41", fetch_smollm2()
+    if name.startswith(LLAMA_PREFIX):
+        f16 = write_random_qwen3(os.path.join(CACHE, "random-qwen3-1.7b-f16.gguf"), "F16")
+        return f"qwen3-1.7b-{name}", llama_quantized(f16, name[len(LLAMA_PREFIX):])
     return (f"qwen3-1.7b-{name}",
             write_random_qwen3(os.path.join(CACHE, f"random-qwen3-1.7b-{name}.gguf"), name.upper()))
+
+
+LLAMA_PREFIX = "llama-"  # --models llama-q4_k_m: the F16 file quantized by llama.cpp to that ftype
+
+
+def llama_quantized(f16_path: str, ftype: str) -> str:
+    """f16_path quantized by llama.cpp's quantizer to `ftype` (a LLAMA_FTYPE_MOSTLY_* name, any case), cached
+    beside it."""
+    dst = f16_path.replace("-f16.gguf", f"-llama-{ftype.lower()}.gguf")
+    if not os.path.exists(dst):
+        peer_module().quantize(f16_path, dst + ".tmp", ftype.upper())
+        os.replace(dst + ".tmp", dst)
+    return dst
 
 
 def attention_plan(p: str, s: dict) -> list[tuple[str, tuple]]:
@@ -97,7 +117,8 @@ def attention_plan(p: str, s: dict) -> list[tuple[str, tuple]]:
 def write_random_gguf(path: str, cfg, plan: list[tuple[str, tuple]], qtype_name: str, name: str, moe=None,
                       f32: tuple[str, ...] = ()) -> str:
     """A GGUF of random weights for speed measurements: 1-D tensors are ones, tensors named in `f32` are
-    zero-mean random float32 (routers), every other tensor is random blocks of `qtype_name` (2-D or stacked 3-D).
+    zero-mean random float32 (routers), every other tensor is random blocks of `qtype_name` (2-D or stacked 3-D),
+    or random float16 of std 0.02 for "F16" (the input of llama.cpp's quantizer).
     The Qwen tokenizer and chat template go in the metadata, so both engines load it as a chat model."""
     import shutil
     import tempfile
@@ -126,6 +147,8 @@ def write_random_gguf(path: str, cfg, plan: list[tuple[str, tuple]], qtype_name:
     for tname, shp in plan:
         if len(shp) == 1 or tname in f32:
             w.add_tensor_info(tname, shp, np.dtype(np.float32), int(np.prod(shp)) * 4)
+        elif qtype_name == "F16":
+            w.add_tensor_info(tname, shp, np.dtype(np.float16), int(np.prod(shp)) * 2)
         else:
             byte_shape = tuple(shp[:-1]) + (shp[-1] // bs * nb,)
             w.add_tensor_info(tname, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype)
@@ -139,6 +162,11 @@ def write_random_gguf(path: str, cfg, plan: list[tuple[str, tuple]], qtype_name:
         elif tname in f32:  # zero-mean rows: the common offset of random blocks (quants average -0.5) would
             r = rng.standard_normal(shp).astype(np.float32)  # otherwise route every token to the same experts
             w.write_tensor_data(0.05 * (r - r.mean(axis=1, keepdims=True)))
+        elif qtype_name == "F16":  # row by row of the leading axis: a bounded float32 temporary
+            out = np.empty(shp, np.float16)
+            for i in range(shp[0]):
+                out[i] = (0.02 * rng.standard_normal(shp[1:], np.float32)).astype(np.float16)
+            w.write_tensor_data(out)
         else:
             rows = int(np.prod(shp[:-1]))
             w.write_tensor_data(random_blocks(rng, qtype_name, rows, shp[-1]).reshape(*shp[:-1], -1))

@@ -7,9 +7,11 @@ with the decode speed of that release run.
 
 The model has the real widths (hidden 2048, 128 experts, top-8, moe_intermediate 768, 32 heads, 4 KV heads,
 head_dim 128, vocab 151936) and fewer layers (default 4 of 48) so it fits this machine's time; random blocks
-with sane scales (speed does not depend on the values), cached in ~/.cache/kestrel-bench.
+with sane scales (speed does not depend on the values), cached in ~/.cache/kestrel-bench; `llama-<ftype>`
+(llama-q4_k_m, llama-q3_k_m) is the same model written as random F16 and quantized by llama.cpp's quantizer (the
+files people download: Q4_K_M's experts Q4_K with Q6_K ffn_down on part of the layers, Q3_K_M's Q3_K + Q4_K/Q5_K).
 
-    python bench/moe_bench.py [--types q4_0,q8_0] [--layers 4] [--threads 2] [--runs 3]
+    python bench/moe_bench.py [--types q4_0,q8_0,llama-q4_k_m] [--layers 4] [--threads 2] [--runs 3]
 """
 from __future__ import annotations
 
@@ -19,7 +21,17 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gguf_bench import CACHE, Ours, attention_plan, copy_bandwidth, interleaved, side_by_side, write_random_gguf
+from gguf_bench import (
+    CACHE,
+    LLAMA_PREFIX,
+    Ours,
+    attention_plan,
+    copy_bandwidth,
+    interleaved,
+    llama_quantized,
+    side_by_side,
+    write_random_gguf,
+)
 
 from appliance.engine.load.gguf import open_gguf
 from appliance.engine.page_release import mapping_rss
@@ -84,11 +96,16 @@ def main(argv=None) -> int:
     peer.ensure_peer()
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.1f} GB/s; native library: {kernels.available()}", flush=True)
-    print(f"{'type':<6}{'thr':>4}{'dec ours':>10}{'dec llama':>10}{'ratio':>7}{'pre ours':>10}{'pre llama':>10}"
+    print(f"{'type':<13}{'thr':>4}{'dec ours':>10}{'dec llama':>10}{'ratio':>7}{'pre ours':>10}{'pre llama':>10}"
           f"{'ratio':>7}{'MB/tok':>8}{'dense MB':>9}{'experts read':>14}{'RSS kept':>10}{'released':>10}{'dec rel':>10}", flush=True)
     for t in args.types.split(","):
-        path = write_random_moe(os.path.join(CACHE, f"random-qwen3-30b-a3b-{args.layers}l-{t}.gguf"), t.upper(),
-                                args.layers)
+        if t.startswith(LLAMA_PREFIX):
+            f16 = write_random_moe(os.path.join(CACHE, f"random-qwen3-30b-a3b-{args.layers}l-f16.gguf"), "F16",
+                                   args.layers)
+            path = llama_quantized(f16, t[len(LLAMA_PREFIX):])
+        else:
+            path = write_random_moe(os.path.join(CACHE, f"random-qwen3-30b-a3b-{args.layers}l-{t}.gguf"), t.upper(),
+                                    args.layers)
         sparse, dense = bytes_per_token(path, QWEN3_30B_A3B["top_k"])
         ours = Ours(path, args.prompt, args.decode)
         stats = ours.lm.model.expert_stats
@@ -108,7 +125,7 @@ def main(argv=None) -> int:
                 set_release_pages(ours.lm.model, False)
             od, td, op, tp = (statistics.median(measured[k])
                               for k in ("ours_dec", "llama_dec", "ours_pre", "llama_pre"))
-            print(f"{t:<6}{n:>4}{od:>10.2f}{td:>10.2f}{od / td:>7.2f}{op:>10.1f}{tp:>10.1f}{op / tp:>7.2f}"
+            print(f"{t:<13}{n:>4}{od:>10.2f}{td:>10.2f}{od / td:>7.2f}{op:>10.1f}{tp:>10.1f}{op / tp:>7.2f}"
                   f"{sparse / 1e6:>8.0f}{dense / 1e6:>9.0f}{statistics.median(per_tok):>8.0f}/{QWEN3_30B_A3B['experts'] * args.layers}"
                   f"{rss_kept / 1e6:>10.0f}{rss_released / 1e6:>10.0f}{rel_dec:>10.2f}", flush=True)
     return 0
