@@ -3,7 +3,8 @@ on any machine, into a GGUF file that both this engine and llama.cpp load.
 
 Policies:
 - Architectures: qwen3, qwen2, llama (dense) and qwen3_moe (experts per-expert or transformers-5 fused, stacked
-  per projection as llama.cpp's qwen3moe stores them). Tensor names come from engine/load/names.py, the table
+  per projection as llama.cpp's qwen3moe stores them); qwen3_vl / qwen3_vl_moe go to convert_vl.py (a text
+  file plus mmproj-OUT.gguf, `--mmproj-type`), which shares this module's plan, types and writer. Tensor names come from engine/load/names.py, the table
   the loaders use too. The file carries what llama.cpp needs to run it on its own:
   architecture hyper-parameters, the byte-level BPE tokenizer (`gpt2` model, `pre` chosen from the
   tokenizer.json split regex, tokens padded to the embedding size, token types, merges), special ids,
@@ -13,8 +14,8 @@ Policies:
   stay F32. Quantization uses the `gguf` package's reference quantizers (bit-exact with ggml's).
 - llama checkpoints get llama.cpp's q/k row permutation (its RoPE pairs adjacent elements); qwen2/qwen3 are
   written in Hugging Face order. The loader undoes the permutation, so a round trip is exact.
-- Tensors are converted and written one at a time (the output is never held in memory), to OUT.tmp and
-  renamed at the end; a progress bar goes to stderr. Bad input is a one-line error and exit status 2.
+- Tensors are converted and written one at a time (the output is never held in memory; quantized a block of
+  rows at a time), to OUT.tmp and renamed at the end; a progress bar goes to stderr. Bad input is a one-line error and exit status 2.
 """
 from __future__ import annotations
 
@@ -142,16 +143,24 @@ def write_hparams(writer, cfg, name: str, file_type: str, moe=None) -> None:
 @dataclass(frozen=True)
 class Source:
     """Where one GGUF tensor's values come from: one checkpoint tensor, or one per expert stacked into (E, out,
-    in), or one half of transformers-5's fused gate_up tensor (E, 2I, H) (`half` 0: gate rows, 1: up rows)."""
+    in), or one half of a fused gate_up tensor (`half` 0: gate, 1: up): transformers-5's (E, 2I, H) (rows), or
+    with `transposed` the published Qwen3-VL-MoE layout (E, H, 2I) (columns; down_proj (E, I, H) is then
+    transposed whole, half None); `frame` picks one temporal frame of a Conv3d kernel (out, C, T, p, p)."""
     names: tuple[str, ...]
     stacked: bool = False
     half: int | None = None
     permute: str | None = None  # 'q' | 'k': llama.cpp's row permutation (llama architecture only)
+    transposed: bool = False
+    frame: int | None = None
 
     def shape(self, st) -> tuple[int, ...]:
         shape = tuple(st.raw(self.names[0])[0].shape)
         if self.stacked:
             return (len(self.names),) + shape
+        if self.frame is not None:
+            return shape[:2] + shape[3:]
+        if self.transposed:
+            shape = (shape[0], shape[2], shape[1])
         if self.half is not None:
             return (shape[0], shape[1] // 2) + shape[2:]
         return shape
@@ -161,29 +170,52 @@ class Source:
 
         if self.stacked:
             return np.stack([to_float32(*st.raw(n)) for n in self.names])  # (E, out, in)
-        w = to_float32(*st.raw(self.names[0]))
+        raw, dtype = st.raw(self.names[0])
+        if self.frame is not None:
+            return to_float32(np.ascontiguousarray(raw[:, :, self.frame]), dtype)  # (out, C, p, p)
+        if self.transposed:  # (E, in, out) as stored; the half is cut before widening (a bf16 copy, not f32)
+            if self.half is not None:
+                cols = raw.shape[2] // 2
+                raw = raw[:, :, self.half * cols:(self.half + 1) * cols]  # (E, H, I)
+            return to_float32(np.ascontiguousarray(raw.transpose(0, 2, 1)), dtype)  # (E, out, in)
         if self.half is not None:
-            rows = w.shape[1] // 2
-            return np.ascontiguousarray(w[:, self.half * rows:(self.half + 1) * rows])  # (E, I, H)
+            rows = raw.shape[1] // 2
+            return to_float32(np.ascontiguousarray(raw[:, self.half * rows:(self.half + 1) * rows]), dtype)
+        w = to_float32(raw, dtype)
         if self.permute is not None and cfg.model_type == "llama":
             heads = cfg.num_attention_heads if self.permute == "q" else cfg.num_key_value_heads
             w = permute_rows(w, heads)
         return w
 
 
-def tensor_plan(st, cfg, moe=None) -> list[tuple[str, Source]]:
-    """(gguf name, Source) in llama.cpp's usual order, named through the one table (engine/load/names.py). A
-    mixture-of-experts layer's experts become one stacked tensor per projection."""
-    from appliance.engine.load.names import (
-        EXPERT_PROJECTIONS,
-        LAYER_TENSORS,
-        HFNames,
-        gguf_experts,
-        gguf_layer,
-        gguf_model,
-    )
+def expert_sources(st, hf, i: int, moe, hidden: int) -> list[tuple[str, Source]]:
+    """Layer i's experts, one stacked (E, out, in) tensor per projection, from any of the three layouts: one
+    tensor per expert, transformers-5's fused (E, 2I, H) / (E, H, I), or the published Qwen3-VL-MoE fused
+    (E, H, 2I) / (E, I, H) (told apart by shape, the (E, 2I, H) reading first, as transformers does)."""
+    from appliance.engine.load.names import EXPERT_PROJECTIONS, gguf_experts
 
-    hf = HFNames()
+    if hf.fused_experts(i, "gate_up") not in st:
+        return [(gguf_experts(i, proj), Source(tuple(hf.expert(i, j, proj) for j in range(moe.num_experts)),
+                                               stacked=True)) for proj in EXPERT_PROJECTIONS]
+    gate_up, down = hf.fused_experts(i, "gate_up"), hf.fused_experts(i, "down")
+    two_i = 2 * moe.moe_intermediate_size
+    shape = tuple(st.raw(gate_up)[0].shape)
+    if shape not in ((moe.num_experts, two_i, hidden), (moe.num_experts, hidden, two_i)):
+        raise ConvertError(f"{gate_up} has shape {list(shape)}; expected {[moe.num_experts, two_i, hidden]} or "
+                           f"{[moe.num_experts, hidden, two_i]}")
+    t = shape != (moe.num_experts, two_i, hidden)
+    return [(gguf_experts(i, "gate"), Source((gate_up,), half=0, transposed=t)),
+            (gguf_experts(i, "up"), Source((gate_up,), half=1, transposed=t)),
+            (gguf_experts(i, "down"), Source((down,), transposed=t))]
+
+
+def tensor_plan(st, cfg, moe=None, hf=None) -> list[tuple[str, Source]]:
+    """(gguf name, Source) in llama.cpp's usual order, named through the one table (engine/load/names.py), the
+    decoder's Hugging Face names under `hf` (HFNames; "model." by default). A mixture-of-experts layer's
+    experts become one stacked tensor per projection."""
+    from appliance.engine.load.names import LAYER_TENSORS, HFNames, gguf_layer, gguf_model
+
+    hf = hf or HFNames()
     plan = [(gguf_model("embed"), Source((hf.model("embed"),)))]
     for i in range(cfg.num_hidden_layers):
         for role in LAYER_TENSORS:
@@ -193,31 +225,64 @@ def tensor_plan(st, cfg, moe=None) -> list[tuple[str, Source]]:
         if moe is None or hf.layer(i, "router") not in st:
             continue
         plan.append((gguf_layer(i, "router"), Source((hf.layer(i, "router"),))))
-        fused = hf.fused_experts(i, "gate_up") in st
-        for half, proj in enumerate(EXPERT_PROJECTIONS):
-            if fused:
-                src = (Source((hf.fused_experts(i, "down"),)) if proj == "down"
-                       else Source((hf.fused_experts(i, "gate_up"),), half=half))
-            else:
-                src = Source(tuple(hf.expert(i, j, proj) for j in range(moe.num_experts)), stacked=True)
-            plan.append((gguf_experts(i, proj), src))
+        plan.extend(expert_sources(st, hf, i, moe, cfg.hidden_size))
     plan.append((gguf_model("norm"), Source((hf.model("norm"),))))
     if not cfg.tie_word_embeddings and hf.model("lm_head") in st:
         plan.append((gguf_model("lm_head"), Source((hf.model("lm_head"),))))
     return plan
 
 
-def encode_tensor(w: np.ndarray, qtype_name: str, router: bool = False) -> tuple[np.ndarray, GGMLQuantizationType]:
-    """float32 array -> (array to write, GGMLQuantizationType)."""
+def text_types(plan: list[tuple[str, Source]], qtype_name: str) -> list[tuple[str, Source, str]]:
+    """Each tensor's type: the requested one, but expert routers F32 (as llama.cpp keeps them)."""
+    return [(name, src, "F32" if name.endswith("ffn_gate_inp.weight") else qtype_name) for name, src in plan]
+
+
+QUANT_CHUNK = 1 << 22  # values quantized per step: the float32 temporaries of a 2.5 GB embedding stay ~100 MB
+
+
+def encode_tensor(w: np.ndarray, qtype_name: str) -> tuple[np.ndarray, GGMLQuantizationType]:
+    """float32 array -> (array to write, GGMLQuantizationType). Quantized a block of rows at a time (the
+    quantizers work per row, so the bytes are those of one call on the whole)."""
     import gguf
 
-    if w.ndim == 1 or qtype_name == "F32" or router:  # llama.cpp keeps expert routers in F32 too
+    if w.ndim == 1 or qtype_name == "F32":
         return np.ascontiguousarray(w, dtype=np.float32), gguf.GGMLQuantizationType.F32
     qtype = getattr(gguf.GGMLQuantizationType, qtype_name)
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     if qtype_name == "F16" or w.shape[-1] % block:
         return w.astype(np.float16), gguf.GGMLQuantizationType.F16
-    return gguf.quants.quantize(w, qtype), qtype
+    rows = w.reshape(-1, w.shape[-1])  # (rows, in)
+    step = max(1, QUANT_CHUNK // w.shape[-1])
+    first = gguf.quants.quantize(rows[:step], qtype)  # (step, row bytes)
+    out = np.empty((rows.shape[0], first.shape[1]), np.uint8)  # (rows, row bytes)
+    out[:len(first)] = first
+    for r in range(step, rows.shape[0], step):
+        out[r:r + step] = gguf.quants.quantize(rows[r:r + step], qtype)
+    return out.reshape(w.shape[:-1] + (first.shape[1],)), qtype
+
+
+def write_tensors(writer, plan: list[tuple[str, Source, str]], st, cfg, progress_stream=None) -> None:
+    """The header (metadata already added to writer), the tensor infos, then each tensor converted and written
+    one at a time (its float32 copy freed before the next is read); closes the writer."""
+    infos = []
+    for gg_name, src, qtype_name in plan:  # shapes and sizes first: the header precedes the data
+        shape = src.shape(st)
+        one_row, qtype = encode_tensor(np.zeros((1, shape[-1]) if len(shape) >= 2 else shape, np.float32),
+                                       qtype_name)
+        byte_shape = tuple(shape[:-1]) + one_row.shape[1:] if len(shape) >= 2 else one_row.shape
+        nbytes = int(np.prod(byte_shape)) * one_row.itemsize
+        writer.add_tensor_info(gg_name, byte_shape, one_row.dtype, nbytes, raw_dtype=qtype)
+        infos.append(nbytes)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    bar = Progress(sum(infos), progress_stream or sys.stderr)
+    for (gg_name, src, qtype_name), nbytes in zip(plan, infos):
+        arr, _ = encode_tensor(src.load(st, cfg), qtype_name)
+        writer.write_tensor_data(arr)
+        del arr
+        bar.advance(nbytes, gg_name)
+    writer.close()
 
 
 class Progress:
@@ -241,7 +306,14 @@ class Progress:
         self.stream.flush()
 
 
-def convert(model_dir: str, out_path: str, type_name: str, progress_stream=None) -> str:
+def convert(model_dir: str, out_path: str, type_name: str, progress_stream=None, mmproj_type: str | None = None) -> str:
+    """Write OUT.gguf (and for a Qwen3-VL checkpoint mmproj-OUT.gguf beside it); returns out_path."""
+    return convert_files(model_dir, out_path, type_name, progress_stream, mmproj_type)[0]
+
+
+def convert_files(model_dir: str, out_path: str, type_name: str, progress_stream=None,
+                  mmproj_type: str | None = None) -> list[str]:
+    """The files written: [OUT.gguf], or for a Qwen3-VL checkpoint [OUT.gguf, mmproj-OUT.gguf] (convert_vl.py)."""
     import gguf
 
     from appliance.engine.config import Qwen3Config
@@ -254,8 +326,16 @@ def convert(model_dir: str, out_path: str, type_name: str, progress_stream=None)
         raise ConvertError(f"no config.json in {model_dir}")
     with open(cfg_path, encoding="utf-8") as f:
         cfg_dict = json.load(f)
+    from .convert_vl import VL_ARCHITECTURES, convert_vl
+
+    if cfg_dict.get("model_type") in VL_ARCHITECTURES:
+        return list(convert_vl(model_dir, out_path, type_name, cfg_dict, mmproj_type or "f16", progress_stream))
+    if mmproj_type is not None:
+        raise ConvertError(f"--mmproj-type is for vision-language checkpoints ({', '.join(VL_ARCHITECTURES)}); "
+                           f"{cfg_dict.get('model_type')!r} has no vision tower")
     if cfg_dict.get("model_type") not in ARCHITECTURES:
-        raise ConvertError(f"unsupported model type {cfg_dict.get('model_type')!r} (supported: {', '.join(ARCHITECTURES)})")
+        supported = ", ".join(ARCHITECTURES + tuple(VL_ARCHITECTURES))
+        raise ConvertError(f"unsupported model type {cfg_dict.get('model_type')!r} (supported: {supported})")
     cfg = Qwen3Config.from_dict(cfg_dict)
     moe = None
     if cfg.model_type == "qwen3_moe":
@@ -273,28 +353,9 @@ def convert(model_dir: str, out_path: str, type_name: str, progress_stream=None)
     writer = gguf.GGUFWriter(tmp, GGUF_ARCH.get(cfg.model_type, cfg.model_type))
     write_hparams(writer, cfg, os.path.basename(os.path.abspath(model_dir)), FILE_TYPES[type_name], moe)
     write_tokenizer(writer, model_dir, cfg.vocab_size, cfg_dict)
-    plan = tensor_plan(st, cfg, moe)
-    infos = []
-    for gg_name, src in plan:  # shapes and sizes first: the header precedes the data
-        router = gg_name.endswith("ffn_gate_inp.weight")
-        shape = src.shape(st)
-        one_row, qtype = encode_tensor(np.zeros((1, shape[-1]) if len(shape) >= 2 else shape, np.float32),
-                                       TYPES[type_name], router)
-        byte_shape = tuple(shape[:-1]) + one_row.shape[1:] if len(shape) >= 2 else one_row.shape
-        nbytes = int(np.prod(byte_shape)) * one_row.itemsize
-        writer.add_tensor_info(gg_name, byte_shape, one_row.dtype, nbytes, raw_dtype=qtype)
-        infos.append(nbytes)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    bar = Progress(sum(infos), progress_stream or sys.stderr)
-    for (gg_name, src), nbytes in zip(plan, infos):
-        arr, _ = encode_tensor(src.load(st, cfg), TYPES[type_name], gg_name.endswith("ffn_gate_inp.weight"))
-        writer.write_tensor_data(arr)
-        bar.advance(nbytes, gg_name)
-    writer.close()
+    write_tensors(writer, text_types(tensor_plan(st, cfg, moe), TYPES[type_name]), st, cfg, progress_stream)
     os.replace(tmp, out_path)
-    return out_path
+    return [out_path]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,9 +364,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("model_dir", metavar="HF_DIR")
     p.add_argument("out", metavar="OUT.gguf")
     p.add_argument("--type", default="q8_0", choices=sorted(TYPES), help="weight type of the matrices")
+    p.add_argument("--mmproj-type", default=None, choices=["f16", "f32", "q8_0"],
+                   help="Qwen3-VL only: weight type of the vision projector's matrices, written to mmproj-OUT.gguf "
+                        "beside OUT.gguf (default f16)")
     args = p.parse_args(argv)
     try:
-        path = convert(args.model_dir, args.out, args.type)
+        paths = convert_files(args.model_dir, args.out, args.type, mmproj_type=args.mmproj_type)
     except (ConvertError, OSError, ValueError, KeyError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"kestrel-appliance convert: error: {msg}", file=sys.stderr)
@@ -314,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         except OSError:
             pass
         return 2
-    print(path)
+    print("\n".join(paths))
     return 0
 
 
