@@ -214,11 +214,19 @@ class Qwen35Model:
     def forward(self, tokens: np.ndarray, cache: HybridCache, logits: str = "last") -> np.ndarray | None:
         """Append tokens (T,) to the sequence in cache. logits: 'last' -> (vocab,), 'all' -> (T, vocab), 'none'."""
         c = self.config
-        T = len(tokens)
-        cache.check_room(T)
-        positions = cache.length + np.arange(T)
+        positions = cache.length + np.arange(len(tokens))
         cos, sin = rope_cos_sin(positions, c.rotary_dim, c.rope_theta)  # (T, rd/2)
-        h = self.embed.rows(np.asarray(tokens))  # (T, hidden)
+        h = self.forward_hidden(self.embed.rows(np.asarray(tokens)), cache, cos, sin, tokens)  # (T, hidden)
+        return self.head(h, logits)
+
+    def forward_hidden(self, h: np.ndarray, cache: HybridCache, cos: np.ndarray, sin: np.ndarray,
+                       tokens: np.ndarray | None = None) -> np.ndarray:
+        """Input embeddings h (T, hidden) of tokens (T,) through every layer at rotary angles cos, sin (T, rd/2) ->
+        the final norm's output (T, hidden); the cache grows by T. The MTP head (a cache that keeps it) needs the
+        token ids."""
+        c = self.config
+        T = h.shape[0]
+        cache.check_room(T)
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.attn_norm, c.rms_norm_eps)
             if isinstance(layer.mixer, GatedDeltaNet):
@@ -230,12 +238,15 @@ class Qwen35Model:
                 h = h + gated_attention(c, layer.mixer, x, cache, i, cos, sin)
             h = h + layer.mlp(rms_norm(h, layer.mlp_norm, c.rms_norm_eps))
         h = rms_norm(h, self.norm, c.rms_norm_eps)  # (T, hidden)
-        if cache.mtp_layer is not None and self.mtp is not None:  # the head's keys and its next input
+        if cache.mtp_layer is not None and self.mtp is not None and tokens is not None:  # the head's keys, next input
             catch_up(self, tokens, h, cache, cos, sin)
             if cache.keep_steps:
                 cache.keep_step(MTP_HIDDEN, [RecurrentState(h[t:t + 1].copy(), _NO_SSM) for t in range(T)])
             cache.state[MTP_HIDDEN].conv[0] = h[-1]
         cache.commit(T)
+        return h
+
+    def head(self, h: np.ndarray, logits: str) -> np.ndarray | None:
         if logits == "none":
             return None
         if logits == "last":

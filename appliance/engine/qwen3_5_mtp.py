@@ -20,6 +20,9 @@ Policies:
 - Drafting (MtpDrafter) runs the head alone from the cache's length on, one token a step, greedy, its keys kept
   in a scratch list beside the cache (never written into it): the verify forward writes those positions from
   the model's own hidden states. Verification is exact whatever the head says (speculative.py).
+- A Qwen3.5-VL model's head is its text decoder's. With images in the sequence the head is fed the image
+  placeholder's token embedding, and it drafts at text positions (the cache index), not at the M-RoPE ones the
+  catch-up used: that can only lower acceptance, never change the output.
 """
 from __future__ import annotations
 

@@ -63,9 +63,7 @@ class Qwen3VLModel:
     axis_of_freq: np.ndarray = field(init=False)  # (hd/2,) 0/1/2: which position axis turns each frequency
 
     def __post_init__(self):
-        k = np.arange(self.config.head_dim // 2)
-        s = self.mrope_section
-        self.axis_of_freq = np.where((k % 3 == 1) & (k < 3 * s[1]), 1, np.where((k % 3 == 2) & (k < 3 * s[2]), 2, 0))
+        self.axis_of_freq = mrope_axis_of_freq(self.config.head_dim // 2, self.mrope_section)
 
     def new_cache(self, max_len: int, dtype=np.float32) -> MRopeCache:
         c = self.config
@@ -86,74 +84,23 @@ class Qwen3VLModel:
         """Encode the prompt's images into the cache (call after truncate, before prefill). Returns the number
         of image tokens, or None if cancelled between images. Images wholly inside the first `reuse` positions
         (already in the cache) are not encoded: their feature rows are never read."""
-        ids = np.asarray(prompt_ids, dtype=np.int64)
-        runs = image_pad_runs(ids, self.image_token_id)
-        if len(runs) != len(images):
-            raise ImageError(f"the prompt has {len(runs)} image placeholders for {len(images)} images")
-        embeds, deepstack = [], []
-        for (start, end), img in zip(runs, images):
-            if end - start != img.num_tokens:
-                raise ImageError(f"an image needs {img.num_tokens} image tokens; the prompt has {end - start}")
-            if end <= reuse:  # in the reused prefix: placeholders of the right size
-                zeros = np.zeros((end - start, self.config.hidden_size), np.float32)  # (image_tokens, hidden)
-                embeds.append(zeros)
-                deepstack.append([zeros] * len(self.vision.deepstack_mergers))
-                continue
-            if should_cancel():
-                return None
-            out = self.vision.encode(img.pixel_values, img.grid_thw)
-            embeds.append(out.embeds)
-            deepstack.append(out.deepstack)
-        feature_row = np.full(len(ids), -1, dtype=np.int64)
-        n = 0
-        for start, end in runs:
-            feature_row[start:end] = np.arange(n, n + end - start)
-            n += end - start
-        positions = mrope_positions(len(ids), runs, [img.grid_thw for img in images],
-                                    self.vision.config.spatial_merge_size)  # (3, prompt_len)
-        cache.images = ImageState(
-            positions=positions, feature_row=feature_row,
-            embeds=np.concatenate(embeds) if embeds else np.zeros((0, self.config.hidden_size), np.float32),
-            deepstack=[np.concatenate([d[i] for d in deepstack]) for i in range(len(self.vision.deepstack_mergers))]
-            if deepstack else [],
-            delta=int(positions.max()) + 1 - len(ids) if len(ids) else 0)
-        return n
+        state = encode_prompt_images(self.vision, self.config.hidden_size, self.image_token_id, prompt_ids, images,
+                                     should_cancel, reuse)
+        if state is None:
+            return None
+        cache.images = state
+        return len(state.embeds)
 
     def rope(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """positions (3, T) -> interleaved M-RoPE cos, sin (T, hd/2)."""
-        hd = self.config.head_dim
-        inv_freq = 1.0 / (self.config.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))  # (hd/2,)
-        pos = positions[self.axis_of_freq].T.astype(np.float64)  # (T, hd/2): the axis each frequency follows
-        ang = pos * inv_freq[None, :]
-        return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+        return mrope_cos_sin(positions, self.axis_of_freq, self.config.head_dim, self.config.rope_theta)
 
     def forward(self, tokens: np.ndarray, cache: MRopeCache, logits: str = "last") -> np.ndarray | None:
         """Append tokens (T,) to the sequence in cache (prompt chunks or decoded tokens)."""
         tokens = np.asarray(tokens, dtype=np.int64)
         start = cache.length
         index = start + np.arange(len(tokens))
-        h = self.text.embed.rows(tokens)  # (T, hidden)
-        state = cache.images
-        after_layer = None
-        if state is None:
-            positions = np.broadcast_to(index, (3, len(tokens)))
-        else:
-            n_prompt = state.positions.shape[1]
-            positions = np.broadcast_to(index + state.delta, (3, len(tokens))).copy()  # (3, T)
-            in_prompt = index < n_prompt
-            positions[:, in_prompt] = state.positions[:, index[in_prompt]]
-            rows = np.full(len(tokens), -1, dtype=np.int64)
-            rows[in_prompt] = state.feature_row[index[in_prompt]]
-            at = np.nonzero(rows >= 0)[0]
-            if len(at):
-                h = h.copy()
-                h[at] = state.embeds[rows[at]]
-                deep = state.deepstack
-
-                def after_layer(i: int, x: np.ndarray) -> np.ndarray:
-                    if i < len(deep):
-                        x[at] += deep[i][rows[at]]
-                    return x
+        h, positions, after_layer = multimodal_inputs(self.text.embed.rows(tokens), index, cache.images)
         cos, sin = self.rope(positions)
         h = qwen3.forward_hidden(self.text, h, cache, cos, sin, after_layer)
         if logits == "none":
@@ -161,6 +108,88 @@ class Qwen3VLModel:
         if logits == "last":
             return self.text.lm_head(h[-1:])[0]  # (vocab,)
         return self.text.lm_head(h)  # (T, vocab)
+
+
+def mrope_axis_of_freq(n_freq: int, section) -> np.ndarray:
+    """(n_freq,) 0/1/2: the position axis (temporal/text, row, column) each rotary frequency turns with."""
+    k = np.arange(n_freq)
+    return np.where((k % 3 == 1) & (k < 3 * section[1]), 1, np.where((k % 3 == 2) & (k < 3 * section[2]), 2, 0))
+
+
+def mrope_cos_sin(positions: np.ndarray, axis_of_freq: np.ndarray, rotary_dim: int, theta: float
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """positions (3, T) -> interleaved M-RoPE cos, sin (T, rotary_dim/2)."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim))  # (rd/2,)
+    pos = positions[axis_of_freq].T.astype(np.float64)  # (T, rd/2): the axis each frequency follows
+    ang = pos * inv_freq[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def encode_prompt_images(vision: VisionTower, hidden: int, image_token_id: int, prompt_ids,
+                         images: list[PixelPatches], should_cancel: Callable[[], bool] = lambda: False,
+                         reuse: int = 0) -> ImageState | None:
+    """The prompt's ImageState: its image-pad runs checked against the images, each image outside the first
+    `reuse` positions encoded by the tower (zeros of the right size for the others: never read), M-RoPE
+    positions. None if cancelled between images."""
+    ids = np.asarray(prompt_ids, dtype=np.int64)
+    runs = image_pad_runs(ids, image_token_id)
+    if len(runs) != len(images):
+        raise ImageError(f"the prompt has {len(runs)} image placeholders for {len(images)} images")
+    n_deep = len(vision.deepstack_mergers)
+    embeds, deepstack = [], []
+    for (start, end), img in zip(runs, images):
+        if end - start != img.num_tokens:
+            raise ImageError(f"an image needs {img.num_tokens} image tokens; the prompt has {end - start}")
+        if end <= reuse:  # in the reused prefix: placeholders of the right size
+            zeros = np.zeros((end - start, hidden), np.float32)  # (image_tokens, hidden)
+            embeds.append(zeros)
+            deepstack.append([zeros] * n_deep)
+            continue
+        if should_cancel():
+            return None
+        out = vision.encode(img.pixel_values, img.grid_thw)
+        embeds.append(out.embeds)
+        deepstack.append(out.deepstack)
+    feature_row = np.full(len(ids), -1, dtype=np.int64)
+    n = 0
+    for start, end in runs:
+        feature_row[start:end] = np.arange(n, n + end - start)
+        n += end - start
+    positions = mrope_positions(len(ids), runs, [img.grid_thw for img in images],
+                                vision.config.spatial_merge_size)  # (3, prompt_len)
+    return ImageState(
+        positions=positions, feature_row=feature_row,
+        embeds=np.concatenate(embeds) if embeds else np.zeros((0, hidden), np.float32),
+        deepstack=[np.concatenate([d[i] for d in deepstack]) for i in range(n_deep)] if deepstack else [],
+        delta=int(positions.max()) + 1 - len(ids) if len(ids) else 0)
+
+
+def multimodal_inputs(h: np.ndarray, index: np.ndarray, state: ImageState | None
+                      ) -> tuple[np.ndarray, np.ndarray, Callable[[int, np.ndarray], np.ndarray] | None]:
+    """A chunk's token embeddings h (T, hidden) at cache positions index (T,) -> the embeddings with image
+    features at image-pad positions, their (3, T) M-RoPE positions, and the DeepStack injection after layer i
+    (None when the chunk has no image rows)."""
+    T = len(index)
+    if state is None:
+        return h, np.broadcast_to(index, (3, T)), None
+    n_prompt = state.positions.shape[1]
+    positions = np.broadcast_to(index + state.delta, (3, T)).copy()  # (3, T)
+    in_prompt = index < n_prompt
+    positions[:, in_prompt] = state.positions[:, index[in_prompt]]
+    rows = np.full(T, -1, dtype=np.int64)
+    rows[in_prompt] = state.feature_row[index[in_prompt]]
+    at = np.nonzero(rows >= 0)[0]
+    if not len(at):
+        return h, positions, None
+    h = h.copy()
+    h[at] = state.embeds[rows[at]]
+    deep = state.deepstack
+
+    def after_layer(i: int, x: np.ndarray) -> np.ndarray:
+        if i < len(deep):
+            x[at] += deep[i][rows[at]]
+        return x
+    return h, positions, after_layer if deep else None
 
 
 def image_pad_runs(ids: np.ndarray, image_token_id: int) -> list[tuple[int, int]]:

@@ -33,8 +33,10 @@ def checkpoint(request):
 
 
 def ours(path):
+    """The checkpoint's text decoder (the model is a Qwen35VLModel over it: the checkpoints carry a vision tower)."""
     with open(f"{path}/config.json") as f:
-        return build_qwen3_5(SafeTensors(path), json.load(f))[1]
+        model = build_qwen3_5(SafeTensors(path), json.load(f))[1]
+    return getattr(model, "text", model)
 
 
 def reference(path):
@@ -143,8 +145,17 @@ def test_greedy_tokens_match_generate(checkpoint):
     assert [e.token_id for e in events[:-1]] == out[0, len(PROMPT):].tolist()
 
 
-def test_images_are_refused(tiny_qwen3_5):
-    loaded = load_model(tiny_qwen3_5, context_length=128)
+def test_a_text_only_layout_refuses_images(tiny_qwen3_5, tmp_path):
+    """The checkpoint carries a vision tower (tests/engine/test_qwen3_5_vision.py serves images from it); without a
+    vision_config the same tensors load as a text model that refuses image parts."""
+    import shutil
+    assert load_model(tiny_qwen3_5, context_length=128).multimodal
+    text_only = tmp_path / "text-only"
+    shutil.copytree(tiny_qwen3_5, text_only)
+    cfg = json.loads((text_only / "config.json").read_text())
+    del cfg["vision_config"]
+    (text_only / "config.json").write_text(json.dumps(cfg))
+    loaded = load_model(str(text_only), context_length=128)
     assert not loaded.multimodal
     with pytest.raises(ValueError, match="does not accept images"):
         list(loaded.engine.generate(GenerationRequest(PROMPT, GREEDY, max_tokens=2, images=(object(),))))

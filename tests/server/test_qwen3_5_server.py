@@ -1,11 +1,13 @@
 """Qwen3.5 (hybrid Gated DeltaNet) through the CLI server with the official openai client: greedy answers equal
 transformers' on the same rendered prompt, streamed and not; a follow-up turn reuses the recurrent-state
 snapshot and still answers as transformers does, also after a cancelled stream; structured output, the Responses API and Ollama's chat work;
-an image part is refused with 400 (the vision tower is not loaded)."""
+a streamed answer about two non-square images (the vision tower in the checkpoint) equals transformers' greedy
+answer, its image tokens in usage; a malformed image part is refused with 400."""
 from __future__ import annotations
 
 import base64
 import contextlib
+import io
 import json
 import urllib.request
 
@@ -14,7 +16,7 @@ import pytest
 
 from tests.support.hf_reference import greedy_answer
 from tests.support.live_server import start_cli_server
-from tests.support.tiny_vl import image_bytes
+from tests.support.tiny_vl import cached_qwen3_5_vl, image_bytes, reference_processor
 
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": True}
 
@@ -112,9 +114,43 @@ def test_responses_api_and_ollama_chat(client, server):
         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
 
 
-def test_image_parts_are_refused(client):
-    url = "data:image/png;base64," + base64.b64encode(image_bytes(64, 64, "PNG", seed=1)).decode()
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [
-            {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": url}}]}])
-    assert e.value.status_code == 400 and "image" in str(e.value).lower()
+def image_uri(w: int, h: int, seed: int) -> str:
+    return "data:image/png;base64," + base64.b64encode(image_bytes(w, h, "PNG", seed=seed)).decode()
+
+
+@pytest.fixture(scope="module")
+def vl_server(tmp_path_factory):
+    model = cached_qwen3_5_vl(tmp_path_factory, moe=True)
+    with cli(model, "--ctx", "512", "--prefill-chunk", "16") as url:
+        yield model, url
+
+
+def test_two_images_through_the_server_equal_transformers(vl_server):
+    import torch
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    model_dir, url = vl_server
+    a, b = image_uri(300, 200, 3), image_uri(150, 250, 4)
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "Compare"}, {"type": "image_url", "image_url": {"url": a}},
+        {"type": "text", "text": "with"}, {"type": "image_url", "image_url": {"url": b}}]}]
+    processor = reference_processor(model_dir)
+    pil = [Image.open(io.BytesIO(base64.b64decode(u.split(",", 1)[1]))).convert("RGB") for u in (a, b)]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ref = processor(text=[text], images=pil, return_tensors="pt")
+    hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf.generate(**ref, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    want = processor.tokenizer.decode(out[0, ref["input_ids"].shape[1]:].tolist())
+    with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120) as c:
+        chunks = list(c.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0,
+                                                stream=True, stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True}))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
+        assert chunks[-1].usage.prompt_tokens == ref["input_ids"].shape[1]
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [
+                {"type": "text", "text": "What is this?"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+        assert e.value.status_code == 400 and "image" in str(e.value).lower()

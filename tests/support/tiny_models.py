@@ -209,12 +209,15 @@ def build_qwen3_5(out_dir: str, *, moe: bool = False, hidden: int = 64, layers: 
                   heads: int = 4, kv_heads: int = 2, head_dim: int = 16, intermediate: int = 96, tie: bool = False,
                   seed: int = 0, init_std: float = 0.2, experts: int = 8, top_k: int = 2,
                   linear_dims: tuple[int, int] = (8, 12), mtp: bool = False,
-                  linear_heads: tuple[int, int] = (2, 4)) -> str:
+                  linear_heads: tuple[int, int] = (2, 4), vision: dict | None = None,
+                  vision_seed: int | None = None) -> str:
     """A tiny random Qwen3.5 (Qwen3_5ForConditionalGeneration / Qwen3_5MoeForConditionalGeneration: the published
     layout, `model.language_model.*` plus a one-block vision tower) saved in bf16: `layers` layers, every
     `interval`-th full attention (gated, partial rotary), the rest Gated DeltaNet with 2 key heads serving 4 value
     heads (key / value head sizes `linear_dims`; llama.cpp serves equal ones only). moe: 8 routed experts (top-2) and a
-    shared expert in every layer. mtp: a multi-token-prediction head too (add_mtp_head)."""
+    shared expert in every layer. mtp: a multi-token-prediction head too (add_mtp_head). `vision` overrides the
+    vision tower's settings; vision_seed: its LayerNorms, biases and position table drawn at random too (from their
+    own generator, so the decoder's weights stay the seed's)."""
     import torch
     import transformers
 
@@ -233,8 +236,8 @@ def build_qwen3_5(out_dir: str, *, moe: bool = False, hidden: int = 64, layers: 
                     shared_expert_intermediate_size=48)
     else:
         text.update(intermediate_size=intermediate)
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
-                  temporal_patch_size=2, out_hidden_size=hidden, num_position_embeddings=64)
+    vision = {**dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=hidden, num_position_embeddings=64), **(vision or {})}
     kind = "Qwen3_5Moe" if moe else "Qwen3_5"
     cfg = getattr(transformers, kind + "Config")(
         text_config=text, vision_config=vision, image_token_id=151655, video_token_id=151656,
@@ -246,6 +249,17 @@ def build_qwen3_5(out_dir: str, *, moe: bool = False, hidden: int = 64, layers: 
                 p.copy_((1.0 if "linear_attn.norm" in name else 0.0) + 0.3 * torch.randn_like(p))
             elif name.endswith("mlp.gate.weight"):  # a spread-out router so top-k choices are not near-ties
                 p.copy_(torch.randn_like(p))
+        gen = torch.Generator().manual_seed(vision_seed) if vision_seed is not None else None
+        for name, p in model.named_parameters():
+            if gen is None or "visual" not in name:
+                continue
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith(("norm.weight", "norm1.weight", "norm2.weight")):
+                p.copy_(1.0 + 0.3 * noise)
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * noise)
+            elif name.endswith("pos_embed.weight"):
+                p.copy_(0.5 * noise)
     model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
     write_tokenizer(out_dir)
     write_generation_config(out_dir)

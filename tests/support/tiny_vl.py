@@ -122,6 +122,32 @@ if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
 
 
+def build_qwen3_5_vl(out_dir: str, *, moe: bool = False, seed: int = 21, **shape) -> str:
+    """A tiny random Qwen3.5 (dense or MoE) with a two-block vision tower whose norms, biases and position table
+    are random too, the Qwen3-VL chat template (image parts) and preprocessor_config.json: what a Qwen/Qwen3.5-*
+    download has, small. `shape`: more tiny_models.build_qwen3_5 settings (the GGUF pairs' layer layout)."""
+    from tests.support.tiny_models import build_qwen3_5
+
+    build_qwen3_5(out_dir, moe=moe, seed=seed, vision=dict(depth=2, initializer_range=0.2), vision_seed=seed + 100,
+                  **shape)
+    shutil.copyfile(os.path.join(FIXTURES, "qwen3_vl", "chat_template.jinja"),
+                    os.path.join(out_dir, "chat_template.jinja"))
+    write_preprocessor_config(out_dir, 32 * 32 * 4, 32 * 32 * 64)
+    return out_dir
+
+
+def cached_qwen3_5_vl(tmp_path_factory, moe: bool = False) -> str:
+    """build_qwen3_5_vl's dense (seed 21) or MoE (seed 22, 4 layers) checkpoint, built once per test session."""
+    d = tmp_path_factory.getbasetemp() / f"tiny-qwen3_5-vl{'-moe' if moe else ''}"
+    if not (d / "config.json").exists():
+        if moe:
+            build_qwen3_5_vl(str(d) + ".tmp", moe=True, seed=22, layers=4, interval=2)
+        else:
+            build_qwen3_5_vl(str(d) + ".tmp")
+        os.replace(str(d) + ".tmp", str(d))
+    return str(d)
+
+
 def cached_qwen3_vl(tmp_path_factory) -> str:
     """The default tiny checkpoint, built once per test session and shared by the Qwen3-VL test modules."""
     d = tmp_path_factory.getbasetemp() / "tiny-qwen3-vl"

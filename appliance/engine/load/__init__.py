@@ -241,9 +241,11 @@ def set_native_threads(n: int) -> int | None:
 
 
 def decoder_of(model: DecoderModel) -> Qwen3Model:
-    """The Qwen3Model that runs the text layers (the model itself, or a Qwen3-VL model's text decoder)."""
+    """The Qwen3Model that runs the text layers (the model itself, or a Qwen3-VL / Qwen3.5-VL model's text
+    decoder)."""
+    from ..qwen3_5_vl import Qwen35VLModel
     from ..qwen3_vl import Qwen3VLModel
-    return model.text if isinstance(model, Qwen3VLModel) else model
+    return model.text if isinstance(model, (Qwen3VLModel, Qwen35VLModel)) else model
 
 
 def finish(path: str, ckpt: Checkpoint, options: LoadOptions, phases: Phases | None = None,
@@ -301,12 +303,13 @@ def finish(path: str, ckpt: Checkpoint, options: LoadOptions, phases: Phases | N
                                  name=model_name(options.draft_model), reuse_prefix=options.prefix_reuse)
         log.info("speculative decoding: drafts from %s (up to %d tokens a step; %s)", draft_model.name,
                  options.spec.draft_max, "off: --spec none" if not options.spec.enabled else "instead of the prompt's")
-    head = getattr(ckpt.model, "mtp", None)  # Qwen3.5's multi-token-prediction head (qwen3_5_mtp.py)
+    decoder = decoder_of(ckpt.model)  # a Qwen3.5-VL model's head is its text decoder's
+    head = getattr(decoder, "mtp", None)  # Qwen3.5's multi-token-prediction head (qwen3_5_mtp.py)
     if options.spec.mode == "mtp" and head is None:
         raise ModelLoadError("--spec mtp: this model has no multi-token-prediction head (mtp.* tensors)")
     use_mtp = head is not None and draft_model is None and options.spec.mode in ("auto", "mtp")
     if use_mtp:
-        cast(Any, ckpt.model).mtp_on = True  # its caches keep the head's keys; each forward feeds it
+        cast(Any, decoder).mtp_on = True  # its caches keep the head's keys; each forward feeds it
         log.info("speculative decoding: drafts from the model's MTP head (up to %d tokens a step)",
                  options.spec.draft_max)
     # cast: Qwen3VLModel.forward takes the MRopeCache its own new_cache makes (the Engine only passes that one)
@@ -315,7 +318,7 @@ def finish(path: str, ckpt: Checkpoint, options: LoadOptions, phases: Phases | N
                     draft_model=draft_model)
     if use_mtp:
         from ..qwen3_5_mtp import mtp_drafter
-        engine.drafter = mtp_drafter(ckpt.model, engine.cache)
+        engine.drafter = mtp_drafter(decoder, engine.cache)
     phases.mark("engine (KV and prefix caches)")
     if options.prompt_cache_dir and recurrent:
         log.warning("--prompt-cache-dir: not kept for this model (its recurrent states are not written to disk)")

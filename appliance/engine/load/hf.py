@@ -16,8 +16,9 @@ Qwen3.5 (`qwen3_5`, `qwen3_5_moe`, and the text-only `*_text` layouts) quirks:
 - `mtp.*` tensors (the multi-token-prediction head, `mtp_num_hidden_layers`): fc, pre_fc_norm_embedding,
   pre_fc_norm_hidden, norm at `mtp.`, its one layer as a full-attention layer at `mtp.layers.0.` (all norms
   zero-centred); read when present (qwen3_5_mtp.py), files without them load alike.
-- The vision tower (`model.visual.*`, Qwen3-VL's without DeepStack) is not loaded yet: the model is text-only
-  and image parts are refused (400).
+- The vision tower (`model.visual.*`, Qwen3-VL's without DeepStack: hf_vision.py) makes the model a
+  qwen3_5_vl.Qwen35VLModel when config.json has a vision_config; a text-only layout (no vision_config or no
+  `model.visual.*` tensors) serves text and refuses image parts (400).
 - MoE: experts per expert or fused (hf_experts), the router always renormalises its top-k, plus a shared
   expert behind a sigmoid gate.
 """
@@ -33,7 +34,6 @@ from appliance.native.busy_responder import GIL_BOUND
 
 from .. import qwen3
 from ..config import Qwen3Config, UnsupportedModelError
-from ..image_processing import ImageProcessor
 from ..quant_weights import half_weight
 from ..qwen3_5 import (
     FULL,
@@ -45,23 +45,16 @@ from ..qwen3_5 import (
     SharedExpertMoE,
 )
 from ..qwen3_5_mtp import MtpHead
+from ..qwen3_5_vl import Qwen35VLModel
 from ..qwen3_moe import ExpertLoadStats, Experts, MoEConfig, SparseMoE
 from ..qwen3_vl import Qwen3VLModel
 from ..safetensors import SafeTensors, SafetensorsError, to_float32
-from ..vision import (
-    Linear,
-    PatchMerger,
-    VisionBlock,
-    VisionConfig,
-    VisionTower,
-    vision_ops,
-)
 from ..weights import DenseWeight
 from . import Checkpoint, LoadOptions, ModelFileError, ModelLoadError, UnsafeTemplate
 from .hf_check import check_decoder
+from .hf_vision import has_tensors_under, hf_vision_tower, native_available, tensor_prefix
 from .names import EXPERT_PROJECTIONS, HFNames
 from .phases import Phases
-from .vision_check import check_vision_config, check_vision_tensors, hf_vision_shapes
 
 
 def read_hf_dir(path: str, options: LoadOptions, phases: Phases | None = None) -> Checkpoint:
@@ -149,11 +142,6 @@ def eos_ids_of(gen_cfg: dict, cfg: dict, tokenizer) -> set[int]:
 
 # ---- weights --------------------------------------------------------------------------------------------
 
-def native_available() -> bool:
-    from appliance.native import kernels
-    return kernels.available()
-
-
 def dense_weight(st: SafeTensors, name: str):
     """A linear weight: BF16/F16 matrices read in place by the native kernels when the library is there (no
     float32 copy); otherwise, and for F32, a float32 DenseWeight."""
@@ -237,46 +225,7 @@ def build_qwen3_moe(st: SafeTensors, cfg_dict: dict, options: LoadOptions = Load
     return cfg, model
 
 
-# ---- Qwen3-VL (text decoder + vision tower) ---------------------------------------------------------------
-
-def stored_weight(raw: np.ndarray, dtype: str):
-    """A vision matrix (out, in) as stored: BF16/F16/F32 read in place from the mapping by the C kernels when the
-    library is there, else a float32 DenseWeight."""
-    if native_available() and dtype in ("BF16", "F16", "F32") and raw.ndim == 2 and raw.flags.c_contiguous:
-        return half_weight(raw, dtype)
-    return DenseWeight(np.ascontiguousarray(to_float32(raw, dtype)))
-
-
-def vision_linear(st: SafeTensors, name: str) -> Linear:
-    return Linear(stored_weight(*st.raw(name + ".weight")), st.float32(name + ".bias"))
-
-
-def build_vision(st: SafeTensors, cfg: VisionConfig, prefix: str) -> VisionTower:
-    def norm(name):
-        return st.float32(name + ".weight"), st.float32(name + ".bias")
-
-    def merger(name, post):
-        return PatchMerger(norm(name + ".norm"), vision_linear(st, name + ".linear_fc1"),
-                           vision_linear(st, name + ".linear_fc2"), post)
-
-    w, dt = st.raw(prefix + "patch_embed.proj.weight")  # (hidden, C, tp, p, p)
-    patch = Linear(stored_weight(w.reshape(cfg.hidden_size, -1), dt),  # (hidden, C*tp*p*p): the kernel flattened
-                   st.float32(prefix + "patch_embed.proj.bias"))
-    blocks = [VisionBlock(norm(f"{prefix}blocks.{i}.norm1"), vision_linear(st, f"{prefix}blocks.{i}.attn.qkv"),
-                          vision_linear(st, f"{prefix}blocks.{i}.attn.proj"), norm(f"{prefix}blocks.{i}.norm2"),
-                          vision_linear(st, f"{prefix}blocks.{i}.mlp.linear_fc1"),
-                          vision_linear(st, f"{prefix}blocks.{i}.mlp.linear_fc2")) for i in range(cfg.depth)]
-    deep = [merger(f"{prefix}deepstack_merger_list.{j}", True) for j in range(len(cfg.deepstack_visual_indexes))]
-    return VisionTower(cfg, patch, st.float32(prefix + "pos_embed.weight"), blocks, merger(prefix + "merger", False),
-                       deep, vision_ops(native_available()))
-
-
-def _prefix(st: SafeTensors, *candidates: str) -> str:
-    for p in candidates:
-        if any(k.startswith(p) for k in st.keys()):
-            return p
-    raise KeyError(f"no tensors under {' or '.join(candidates)}")
-
+# ---- Qwen3-VL (text decoder + vision tower: hf_vision.py) ------------------------------------------------
 
 def vl_experts(st: SafeTensors, names: HFNames, i: int, moe: MoEConfig, hidden: int) -> Experts:
     """Layer i's experts of a Qwen3-VL-MoE checkpoint, fused in one of two layouts: transformers-5's own
@@ -332,23 +281,11 @@ def build_qwen3_vl(st: SafeTensors, cfg_dict: dict, options: LoadOptions = LoadO
     cfg = Qwen3Config.from_dict({**text_d, "model_type": "qwen3"})
     if sum(section) != cfg.head_dim // 2:
         raise ValueError(f"mrope_section {section} does not cover head_dim {cfg.head_dim}")
-    names = HFNames(_prefix(st, "model.language_model.", "language_model.model.", "model."))
+    names = HFNames(tensor_prefix(st, "model.language_model.", "language_model.model.", "model."))
     if mlp is None:  # the MoE text side's experts are checked as they are read (hf_experts)
         check_decoder(st, cfg, names)
     text = build_decoder(st, cfg, mlp(names) if mlp else (lambda i: dense_mlp(st, names, i)), names)
-    vcfg = VisionConfig.from_dict(cfg_dict["vision_config"])
-    prefix = _prefix(st, "model.visual.", "visual.")
-    where = f"{st.model_dir}: the vision tower"
-    check_vision_config(where, vcfg)
-    check_vision_tensors(where, lambda name: tuple(st.info(name)[0]) if name in st else None,
-                         hf_vision_shapes(vcfg, prefix), "config.json's vision_config")
-    vision = build_vision(st, vcfg, prefix)
-    if vcfg.out_hidden_size != cfg.hidden_size:
-        raise ValueError("vision out_hidden_size differs from the decoder's hidden_size")
-    processor = ImageProcessor.from_dir(st.model_dir, options.image_max_pixels)
-    if processor.patch_size != vcfg.patch_size or processor.merge_size != vcfg.spatial_merge_size \
-            or processor.temporal_patch_size != vcfg.temporal_patch_size:
-        raise ValueError("preprocessor_config.json does not match the vision tower's patch sizes")
+    vision, processor = hf_vision_tower(st, cfg_dict["vision_config"], options, cfg.hidden_size)
     model = Qwen3VLModel(cfg, text, vision, processor, section, int(cfg_dict.get("image_token_id", 151655)))
     return cfg, model
 
@@ -356,7 +293,7 @@ def build_qwen3_vl(st: SafeTensors, cfg_dict: dict, options: LoadOptions = LoadO
 def build_qwen3_5(st: SafeTensors, cfg_dict: dict, options: LoadOptions = LoadOptions()):
     """Qwen3.5 dense or MoE (hybrid linear / full attention); its quirks are listed at the top of this module."""
     cfg = Qwen35Config.from_dict(cfg_dict)
-    p = _prefix(st, "model.language_model.", "model.")
+    p = tensor_prefix(st, "model.language_model.", "model.")
     names = HFNames(p)
 
     def norm(name: str) -> np.ndarray:
@@ -411,6 +348,9 @@ def build_qwen3_5(st: SafeTensors, cfg_dict: dict, options: LoadOptions = LoadOp
     if moe is not None:
         model.expert_stats = stats  # type: ignore[attr-defined]
         model.moe_config = moe  # type: ignore[attr-defined]
+    if "vision_config" in cfg_dict and has_tensors_under(st, "model.visual.", "visual."):
+        vision, processor = hf_vision_tower(st, cfg_dict["vision_config"], options, cfg.hidden_size, deepstack=False)
+        return cfg, Qwen35VLModel(cfg, model, vision, processor, int(cfg_dict.get("image_token_id", 248056)))
     return cfg, model
 
 
