@@ -6,7 +6,7 @@ follow-up turn, and the choice of drafter at load."""
 import pytest
 
 from appliance.engine.generate import GenerationRequest
-from appliance.engine.load import LoadOptions, ModelLoadError, load_model
+from appliance.engine.load import LoadOptions, ModelLoadError, decoder_of, load_model
 from appliance.engine.qwen3_5_mtp import MtpDrafter
 from appliance.engine.sampling import SamplingParams
 from appliance.engine.speculative import NgramDrafter, SpecOptions
@@ -29,7 +29,7 @@ def mtp_path(request):
 
 def test_the_head_drafts_and_the_tokens_are_plain_decodings(mtp_path):
     a, b = pair(mtp_path)
-    assert b.model.mtp is not None and isinstance(b.engine.drafter(), MtpDrafter)
+    assert decoder_of(b.model).mtp is not None and isinstance(b.engine.drafter(), MtpDrafter)
     assert b.engine.cache.mtp_layer == b.config.num_hidden_layers and a.engine.cache.mtp_layer is None
     for prompt, sp in ((STORY, GREEDY), ("hi", GREEDY), (STORY, SamplingParams(temperature=1.0, seed=5))):
         req = GenerationRequest(ids_of(a, prompt), sp, max_tokens=32, ignore_eos=True)
@@ -78,7 +78,7 @@ def test_which_drafter_at_load(tiny_qwen3_5_mtp, tiny_qwen3_5):
     explicit = load_model(tiny_qwen3_5_mtp, LoadOptions(**OPTS, spec=SpecOptions("mtp")))
     assert isinstance(explicit.engine.drafter(), MtpDrafter)
     without = load_model(tiny_qwen3_5, LoadOptions(**OPTS))  # auto on a checkpoint without the head: n-grams
-    assert without.model.mtp is None and isinstance(without.engine.drafter(), NgramDrafter)
+    assert getattr(decoder_of(without.model), "mtp", None) is None and isinstance(without.engine.drafter(), NgramDrafter)
     with pytest.raises(ModelLoadError, match="no multi-token-prediction head") as e:
         load_model(tiny_qwen3_5, LoadOptions(**OPTS, spec=SpecOptions("mtp")))
     assert "\n" not in str(e.value)
