@@ -64,7 +64,7 @@ OURS_CALLS = {
     "x8pre_q4_K": (_X8, "x8k_neondot(g, nb, a, 4, o, 8, 0, 8)"),
     "x8pre_q6_K": (_X8, "x8q6_neondot(g, nb, a, 4, o, 8, 0, 8)"),
     # the K formats' rows in place from 4 columns on (a MoE expert's tokens) are k_cols (matmul_neon_k.inc), which no
-    # wrapper inlines (too large): this call only makes the build emit it; its column loop is what gets timed
+    # wrapper inlines (too large): this call only makes the build emit it; its loop over 4-column passes is timed
     "pre_q4_K": (_W32, "q4_K_neondot(w, rb, 0, 4, nb, a, 0, 4, o, 4)"),
     **a76_float.OURS_FLOAT_CALLS,
 }
@@ -122,8 +122,8 @@ KERNELS = [
     _k("ours", "prefill", "Q6_K", "x8, 4 columns", "ours", "mca_x8pre_q6_K", 8, 4, 256),
     _k("llama.cpp", "prefill", "Q6_K", "8x4 repack, 4 columns", "repack.cpp", "ggml_gemm_q6_K_8x4_q8_K", 8, 4, 256),
 ]
-K_COLS = "rows in place, per column (k_cols: its unpack once per super-block and a 16-byte memcpy not counted)"
-KERNELS += [_k("ours", "prefill", q, K_COLS, "ours", "k_cols_neondot", 4, 1, 256) for q in ("Q4_K", "Q5_K", "Q6_K")]
+K_COLS = "rows in place, passes of 4 columns (k_cols: its unpack once per super-block, a 16-byte memcpy not counted)"
+KERNELS += [_k("ours", "prefill", q, K_COLS, "ours", "k_cols_neondot", 4, 4, 256) for q in ("Q4_K", "Q5_K", "Q6_K")]
 KERNELS += [_k("llama.cpp", "prefill", "Q5_K", "8x4 repack, 4 columns", "repack.cpp", "ggml_gemm_q5_K_8x4_q8_K", 8, 4,
                256)]
 KERNELS += a76_float.float_kernels(_k)  # F32/F16/BF16 products, attention's p x V (bench/a76_float.py)
