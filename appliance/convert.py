@@ -7,7 +7,8 @@ Policies:
   file plus mmproj-OUT.gguf, `--mmproj-type`), which shares this module's plan, types and writer. Tensor names come from engine/load/names.py, the table
   the loaders use too. The file carries what llama.cpp needs to run it on its own:
   architecture hyper-parameters, the byte-level BPE tokenizer (`gpt2` model, `pre` chosen from the
-  tokenizer.json split regex, tokens padded to the embedding size, token types, merges), special ids,
+  tokenizer.json split regex, tokens padded to the embedding size, token types as llama.cpp's converter sets
+  them (added tokens CONTROL when special or spelled <|...|>, else USER_DEFINED), merges), special ids,
   add_bos flag and the chat template.
 - Tensor types: every 2-D weight gets the requested type, except rows whose length is not a multiple of
   the block size (32), which fall back to F16 as llama.cpp's converter does; 1-D tensors (norms, biases)
@@ -82,8 +83,9 @@ def write_tokenizer(writer, model_dir: str, vocab_size: int, config: dict) -> No
         raise ConvertError(f"tokenizer model {tj['model']['type']} is not supported (byte-level BPE only)")
     pre = split_regex_of(tj)
     by_id: dict[int, tuple[str, int]] = {i: (t, gguf.TokenType.NORMAL) for t, i in tj["model"]["vocab"].items()}
-    for a in tj.get("added_tokens", []):
-        by_id[a["id"]] = (a["content"], gguf.TokenType.CONTROL if a["special"] else gguf.TokenType.USER_DEFINED)
+    for a in tj.get("added_tokens", []):  # llama.cpp's rule: an added token spelled <|...|> is CONTROL even when
+        control = a["special"] or (a["content"].startswith("<|") and a["content"].endswith("|>"))  # not special
+        by_id[a["id"]] = (a["content"], gguf.TokenType.CONTROL if control else gguf.TokenType.USER_DEFINED)
     n = max(vocab_size, max(by_id) + 1)
     tokens = [by_id.get(i, (f"[PAD{i}]", gguf.TokenType.UNUSED)) for i in range(n)]
     merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
