@@ -81,6 +81,20 @@ def ensure_peer(log=sys.stderr) -> str:
     return peer_python()
 
 
+def call_child(proc: subprocess.Popen, who: str, req: dict):
+    """One request to a peer child process (one JSON object per line each way): its "result", or RuntimeError
+    with the child's "error" or its exit status. Shared by LlamaCppPeer and peer_mtmd.MtmdPeer."""
+    proc.stdin.write(json.dumps(req) + "\n")
+    proc.stdin.flush()
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"{who} exited (status {proc.wait()}) on {req['op']}")
+    resp = json.loads(line)
+    if "error" in resp:
+        raise RuntimeError(f"{who}: {resp['error']}")
+    return resp["result"]
+
+
 class LlamaCppPeer:
     """One llama.cpp model in a child process of the peer venv."""
 
@@ -94,15 +108,7 @@ class LlamaCppPeer:
                                embedding=embedding, prompt_lookup=prompt_lookup)
 
     def _call(self, **req):
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"llama.cpp peer exited (status {self.proc.wait()}) on {req['op']}")
-        resp = json.loads(line)
-        if "error" in resp:
-            raise RuntimeError(f"llama.cpp peer: {resp['error']}")
-        return resp["result"]
+        return call_child(self.proc, "llama.cpp peer", req)
 
     def tokenize(self, text: str, special: bool = True) -> list[int]:
         return self._call(op="tokenize", text=text, special=special)
