@@ -55,3 +55,21 @@ def with_mtp_head(src: str, dst: str) -> str:
         tensors[f"mtp.{name}.weight"] = (0.1 * torch.randn(hidden, generator=gen)).to(torch.bfloat16)
     save_file(tensors, path, metadata={"format": "pt"})
     return dst
+
+
+def build_pairs(out_dir: str, moe: bool, types: tuple[str, ...] = ("f32", "f16")) -> dict[str, object]:
+    """A tiny Qwen3.5 with a vision tower (tiny_vl.build_qwen3_5_vl, SHAPE's layer layout; dense seed 23, MoE seed
+    24) and llama.cpp's pairs of it: {"hf": checkpoint, type: (text.gguf, mmproj.gguf)}, each pair alone in its
+    directory (so the one mmproj*.gguf beside the text file is its own)."""
+    from tests.support.tiny_vl import build_qwen3_5_vl
+
+    hf = os.path.join(out_dir, "hf")
+    build_qwen3_5_vl(hf, moe=moe, seed=24 if moe else 23, **SHAPE)
+    kind = "moe" if moe else "dense"
+    files: dict[str, object] = {"hf": hf}
+    for t in types:
+        d = os.path.join(out_dir, t)
+        os.makedirs(d, exist_ok=True)
+        files[t] = (convert_hf(hf, os.path.join(d, f"q35vl-{kind}-{t}.gguf"), t, extra=("--no-mtp",)),
+                    convert_hf(hf, os.path.join(d, f"mmproj-q35vl-{kind}-{t}.gguf"), t, mmproj=True))
+    return files

@@ -1,6 +1,6 @@
 """GGUF files (llama.cpp's container) -> decoder objects: qwen3, qwen2, llama, qwen3moe, qwen3vl and qwen3vlmoe
 architectures (qwen3vl/qwen3vlmoe: the Qwen3 / Qwen3-MoE decoder, with its mmproj vision projector when there is
-one: gguf_vl.py); qwen35 / qwen35moe (Qwen3.5's hybrid decoder, text only) are gguf_qwen35.py's.
+one: gguf_vl.py); qwen35 / qwen35moe (Qwen3.5's hybrid decoder) are gguf_qwen35.py's, with their mmproj pair too.
 
 Policies:
 - The file is memory-mapped (gguf_file.GGUFFile, GGUFReader's view of it) and the weights stay in their stored form:
@@ -53,7 +53,14 @@ from .gguf_check import (
 )
 from .gguf_file import GGUFFile
 from .gguf_qwen35 import QWEN35_ARCHITECTURES, build_qwen35, qwen35_config
-from .gguf_vl import NO_MMPROJ_HINT, VL_ARCHITECTURES, MmprojFile, find_mmproj, qwen3_vl_from_pair
+from .gguf_vl import (
+    NO_MMPROJ_HINT,
+    VL_ARCHITECTURES,
+    MmprojFile,
+    find_mmproj,
+    qwen3_vl_from_pair,
+    qwen35_from_pair,
+)
 from .gguf_weights import GGUFModelFile, expert_slices
 from .names import EXPERT_PROJECTIONS, gguf_experts, gguf_layer, gguf_model
 from .phases import Phases
@@ -244,21 +251,22 @@ def read_gguf(path: str, options: LoadOptions, phases: Phases | None = None) -> 
                       task_hint=task_hint)
 
 
-def with_vision(path: str, cfg: Qwen3Config, text, meta: dict[str, Any], tokenizer, options: LoadOptions):
-    """(model, images_hint): a qwen3vl text model with its mmproj pair (gguf_vl.py), or the text model alone
-    (and the hint a refused image part gets); other architectures refuse --mmproj."""
-    if cfg.model_type not in VL_ARCHITECTURES:
+def with_vision(path: str, cfg, text, meta: dict[str, Any], tokenizer, options: LoadOptions):
+    """(model, images_hint): a qwen3vl or qwen35 text model with its mmproj pair (gguf_vl.py), or the text model
+    alone (and the hint a refused image part gets); other architectures refuse --mmproj."""
+    if cfg.model_type not in VL_ARCHITECTURES + QWEN35_ARCHITECTURES:
         if options.mmproj:
-            later = " (a Qwen3.5 file loads text only: its vision projector is not served yet)" \
-                if cfg.model_type in QWEN35_ARCHITECTURES else ""
-            raise ValueError(f"--mmproj goes with a Qwen3-VL text model; this one is {cfg.model_type!r}{later}")
+            raise ValueError(f"--mmproj goes with a Qwen3-VL or Qwen3.5 text model; this one is {cfg.model_type!r}")
         return text, ""
+    qwen35 = cfg.model_type in QWEN35_ARCHITECTURES
     mmproj = find_mmproj(path, options.mmproj)
     if mmproj is None:
-        log.warning("%s is the text model of a Qwen3-VL pair and no vision projector is loaded: text only; "
-                    "image parts are refused until the server starts with --mmproj mmproj.gguf", path)
-        return text, NO_MMPROJ_HINT
-    return qwen3_vl_from_pair(cfg, text, meta, tokenizer, open_mmproj(mmproj), options), ""
+        log.warning("%s is the text model of a %s pair and no vision projector is loaded: text only; image parts "
+                    "are refused until the server starts with --mmproj mmproj.gguf", path,
+                    "Qwen3.5" if qwen35 else "Qwen3-VL")
+        return text, NO_MMPROJ_HINT.replace("Qwen3-VL", "Qwen3.5") if qwen35 else NO_MMPROJ_HINT
+    pair = qwen35_from_pair if qwen35 else qwen3_vl_from_pair
+    return pair(cfg, text, meta, tokenizer, open_mmproj(mmproj), options), ""
 
 
 def open_mmproj(path: str) -> MmprojFile:

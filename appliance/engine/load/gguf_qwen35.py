@@ -1,6 +1,6 @@
 """llama.cpp's Qwen3.5 GGUF files (`qwen35` dense, `qwen35moe`) as its own converter writes them -> the Qwen3.5
-decoder of qwen3_5.py (the classes the Hugging Face loader builds). Text only: the vision tower of a
-Qwen3.5 pair (its mmproj file) is not loaded.
+decoder of qwen3_5.py (the classes the Hugging Face loader builds). The vision tower of a Qwen3.5 pair (its
+mmproj file) is gguf_vl.py's (qwen35_from_pair).
 
 Policies:
 - Configuration comes from the file's keys: `<arch>.ssm.*` (conv_kernel; state_size = the key head size;

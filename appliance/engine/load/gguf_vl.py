@@ -1,7 +1,8 @@
-"""llama.cpp's Qwen3-VL pairs: a text GGUF (`general.architecture = qwen3vl`, or `qwen3vlmoe` for Qwen3-VL-MoE:
-the text side's MLPs are then gguf.py's MoE blocks) plus its vision projector, an
-mmproj GGUF (`general.architecture = clip`, `clip.projector_type = qwen3vl_merger`), onto the Qwen3-VL engine
-(qwen3_vl.Qwen3VLModel over the Qwen3 decoder and vision.VisionTower).
+"""llama.cpp's Qwen3-VL and Qwen3.5 pairs: a text GGUF (`general.architecture = qwen3vl`, or `qwen3vlmoe` for
+Qwen3-VL-MoE: the text side's MLPs are then gguf.py's MoE blocks; `qwen35` / `qwen35moe`: gguf_qwen35.py's hybrid
+decoder) plus its vision projector, an mmproj GGUF (`general.architecture = clip`, `clip.projector_type =
+qwen3vl_merger` for both: llama.cpp's converter writes Qwen3.5's tower as Qwen3-VL's without DeepStack layers),
+onto qwen3_vl.Qwen3VLModel / qwen3_5_vl.Qwen35VLModel over vision.VisionTower.
 
 Policies:
 - The pair: `--mmproj PATH`, else exactly one `mmproj*.gguf` beside the model (used, and logged); none: the text
@@ -9,10 +10,10 @@ Policies:
   naming the flag (LoadedModel.images_hint). Two or more candidates and no flag: the log names them, none is
   guessed.
 - Everything comes from the two files' own metadata: M-RoPE sections (`qwen3vl.rope.dimension_sections`, the
-  fourth section is 0 for Qwen3-VL), DeepStack layers (`qwen3vl.n_deepstack_layers` on the text side,
+  fourth section is 0; Qwen3.5's cover the rotary part of a head), DeepStack layers (`qwen3vl.n_deepstack_layers` on the text side,
   `clip.vision.is_deepstack_layers` on the vision side), vision widths, patch size, spatial merge, image
-  mean/std. A pair that does not fit (projection width != text width, DeepStack counts differ, another
-  projector) is a MismatchedPair: one line, exit status 2; so is a tower whose tensors do not fit its own metadata
+  mean/std. A pair that does not fit (projection width != text width, DeepStack counts differ: a Qwen3-VL
+  projector with a Qwen3.5 text model or the reverse, another projector) is a MismatchedPair: one line, exit status 2; so is a tower whose tensors do not fit its own metadata
   (vision_check.py), or a key or value the tower cannot be built from.
 - What the file does not hold follows llama.cpp's mtmd for this projector: vision RoPE theta 10000, image token
   bounds 8..4096 merged tokens (`clip.vision.image_min_pixels` / `image_max_pixels` when present), and
@@ -100,13 +101,13 @@ class MmprojFile:
         return self.f.vector(name + ".weight"), self.f.vector(name + ".bias")
 
 
-def vision_config(m: MmprojFile) -> VisionConfig:
+def vision_config(m: MmprojFile, text_kind: str = "Qwen3-VL") -> VisionConfig:
     if m.meta.get("general.architecture") != "clip" or not m.meta.get("clip.has_vision_encoder", False):
         raise MismatchedPair(f"{m.path} is not a vision projector (general.architecture "
                              f"{m.meta.get('general.architecture')!r})")
     proj = m.meta.get("clip.projector_type", m.meta.get("clip.vision.projector_type"))
     if proj != PROJECTOR:
-        raise MismatchedPair(f"{m.path} has projector type {proj!r}; a Qwen3-VL text model needs {PROJECTOR!r}")
+        raise MismatchedPair(f"{m.path} has projector type {proj!r}; a {text_kind} text model needs {PROJECTOR!r}")
     if m.meta.get("clip.use_silu") or not m.meta.get("clip.use_gelu", True):
         raise ValueError("only the GELU vision MLP of Qwen3-VL is supported")
     eps = float(m.key("attention.layer_norm_epsilon", 1e-6))
@@ -160,39 +161,65 @@ def build_vision_tower(m: MmprojFile, cfg: VisionConfig, native: bool) -> Vision
                        [merger(i) for i in cfg.deepstack_visual_indexes], vision_ops(native))
 
 
-def qwen3_vl_from_pair(text_cfg, text, meta: dict[str, Any], tokenizer, m: MmprojFile, options: LoadOptions):
-    """The text decoder of a qwen3vl GGUF and its mmproj file -> Qwen3VLModel."""
+def pair_vision(m: MmprojFile, text_hidden: int, n_deep: int, options: LoadOptions, text_kind: str
+                ) -> tuple[VisionTower, ImageProcessor]:
+    """The mmproj file's checked vision tower and image processor, for a text model of width text_hidden that
+    expects n_deep DeepStack layers (a MismatchedPair otherwise; text_kind names it in the message)."""
     from appliance.native import kernels
 
-    from ..qwen3_vl import Qwen3VLModel
-
-    arch = meta["general.architecture"]
-    sections = [int(x) for x in meta.get(f"{arch}.rope.dimension_sections", ())]
-    if len(sections) < 3 or any(sections[3:]) or sum(sections[:3]) != text_cfg.head_dim // 2:
-        raise ValueError(f"{arch}.rope.dimension_sections {sections} do not cover head_dim {text_cfg.head_dim}")
     mmproj = m.path
     try:
-        vcfg = vision_config(m)
-        if vcfg.out_hidden_size != text_cfg.hidden_size:
+        vcfg = vision_config(m, text_kind)
+        if vcfg.out_hidden_size != text_hidden:
             raise MismatchedPair(f"the mmproj file {mmproj} projects to width {vcfg.out_hidden_size}, the text "
-                                 f"model's embedding width is {text_cfg.hidden_size}: not a pair")
-        n_deep = int(meta.get(f"{arch}.n_deepstack_layers", 0))
+                                 f"model's embedding width is {text_hidden}: not a pair")
         if n_deep != len(vcfg.deepstack_visual_indexes):
             raise MismatchedPair(f"the mmproj file {mmproj} has {len(vcfg.deepstack_visual_indexes)} DeepStack "
-                                 f"layers, the text model expects {n_deep}: not a pair")
+                                 f"layers, the {text_kind} text model expects {n_deep}: not a pair")
         where = f"the mmproj file {mmproj}"
         check_vision_config(where, vcfg)
         check_vision_tensors(where, lambda name: tuple(int(n) for n in reversed(m.f.tensors[name].shape))
                              if name in m.f.tensors else None, gguf_vision_shapes(vcfg), "the vision metadata")
-        vision = build_vision_tower(m, vcfg, kernels.available())
-        processor = image_processor(m, vcfg, options.image_max_pixels)
+        return build_vision_tower(m, vcfg, kernels.available()), image_processor(m, vcfg, options.image_max_pixels)
     except ModelFileError:
         raise
     except KeyError as e:
         raise ModelFileError(f"cannot load the mmproj file {mmproj}: tensor {e} is missing") from None
     except (TypeError, ValueError) as e:
         raise ModelFileError(f"cannot load the mmproj file {mmproj}: {e}") from None
+
+
+def image_pad_id(tokenizer) -> int:
     pad = tokenizer.id_of(IMAGE_PAD)
     if pad is None:
         raise ValueError(f"the tokenizer has no {IMAGE_PAD} token")
-    return Qwen3VLModel(text_cfg, text, vision, processor, (sections[0], sections[1], sections[2]), int(pad))
+    return int(pad)
+
+
+def qwen3_vl_from_pair(text_cfg, text, meta: dict[str, Any], tokenizer, m: MmprojFile, options: LoadOptions):
+    """The text decoder of a qwen3vl GGUF and its mmproj file -> Qwen3VLModel."""
+    from ..qwen3_vl import Qwen3VLModel
+
+    arch = meta["general.architecture"]
+    sections = [int(x) for x in meta.get(f"{arch}.rope.dimension_sections", ())]
+    if len(sections) < 3 or any(sections[3:]) or sum(sections[:3]) != text_cfg.head_dim // 2:
+        raise ValueError(f"{arch}.rope.dimension_sections {sections} do not cover head_dim {text_cfg.head_dim}")
+    vision, processor = pair_vision(m, text_cfg.hidden_size, int(meta.get(f"{arch}.n_deepstack_layers", 0)),
+                                    options, "Qwen3-VL")
+    return Qwen3VLModel(text_cfg, text, vision, processor, (sections[0], sections[1], sections[2]),
+                        image_pad_id(tokenizer))
+
+
+def qwen35_from_pair(text_cfg, text, meta: dict[str, Any], tokenizer, m: MmprojFile, options: LoadOptions):
+    """The decoder of a qwen35 / qwen35moe GGUF (gguf_qwen35.py) and its mmproj file -> Qwen35VLModel. The
+    converter writes Qwen3.5's projector as Qwen3-VL's (`qwen3vl_merger`) without DeepStack layers; the M-RoPE
+    sections (`rope.dimension_sections`) cover the rotary part of a head."""
+    from ..qwen3_5_vl import Qwen35VLModel
+
+    arch = meta["general.architecture"]
+    sections = list(text_cfg.mrope_section)
+    if len(sections) < 3 or sum(sections[:3]) != text_cfg.rotary_dim // 2:
+        raise ValueError(f"{arch}.rope.dimension_sections {sections} do not cover the {text_cfg.rotary_dim} "
+                         f"rotary dims")
+    vision, processor = pair_vision(m, text_cfg.hidden_size, 0, options, "Qwen3.5")
+    return Qwen35VLModel(text_cfg, text, vision, processor, image_pad_id(tokenizer))
