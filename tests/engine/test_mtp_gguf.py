@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from appliance.engine.generate import GenerationRequest
-from appliance.engine.load import LoadOptions, load_model
+from appliance.engine.load import LoadOptions, decoder_of, load_model
 from appliance.engine.qwen3_5_mtp import MtpDrafter
 from appliance.engine.speculative import SpecOptions
 from tests.engine.test_speculative import GREEDY, ids_of, run
@@ -31,7 +31,7 @@ def drafts(path, ids, k=4):
     m = load_model(path, LoadOptions(**OPTS, spec=SpecOptions("mtp")))
     cache = m.engine.cache
     logits = m.model.forward(np.asarray(ids), cache, "last")
-    d = MtpDrafter(m.model, cache)
+    d = MtpDrafter(decoder_of(m.model), cache)  # a checkpoint with a vision tower: its text decoder's head
     d.extend(list(ids) + [int(np.argmax(logits))])
     return d.propose(k)
 
@@ -40,7 +40,7 @@ def test_gguf_head_drafts_what_the_checkpoint_drafts(files):
     hf, gguf = files
     ids = [9707, 11, 1879, 0, 13, 576, 6722, 315, 9625, 374]
     from appliance.engine.load import load_model as lm
-    assert lm(gguf, LoadOptions(**OPTS)).model.mtp is not None
+    assert decoder_of(lm(gguf, LoadOptions(**OPTS)).model).mtp is not None
     for n in (3, 10):
         assert drafts(gguf, ids[:n]) == drafts(hf, ids[:n])
 
