@@ -265,7 +265,10 @@ def encode_tensor(w: np.ndarray, qtype_name: str) -> tuple[np.ndarray, GGMLQuant
 
 def write_tensors(writer, plan: list[tuple[str, Source, str]], st, cfg, progress_stream=None) -> None:
     """The header (metadata already added to writer), the tensor infos, then each tensor converted and written
-    one at a time (its float32 copy freed before the next is read); closes the writer."""
+    one at a time (its float32 copy freed and its mapped checkpoint pages released before the next is read);
+    closes the writer."""
+    from appliance.engine.page_release import release_pages
+
     infos = []
     for gg_name, src, qtype_name in plan:  # shapes and sizes first: the header precedes the data
         shape = src.shape(st)
@@ -283,6 +286,8 @@ def write_tensors(writer, plan: list[tuple[str, Source, str]], st, cfg, progress
         arr, _ = encode_tensor(src.load(st, cfg), qtype_name)
         writer.write_tensor_data(arr)
         del arr
+        for name in src.names:  # the checkpoint's pages of this tensor go back to the kernel (RSS stays one tensor)
+            release_pages(st.raw(name)[0])
         bar.advance(nbytes, gg_name)
     writer.close()
 
