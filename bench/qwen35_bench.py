@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,7 +47,7 @@ def build_checkpoint(out_dir: str, layers: int) -> str:
     import torch
     import transformers
 
-    from tests.support.tiny_models import write_generation_config, write_tokenizer
+    from tests.support.tiny_models import FIXTURES, write_generation_config, write_tokenizer
 
     torch.manual_seed(0)
     cfg = transformers.Qwen3_5TextConfig(num_hidden_layers=layers, rms_norm_eps=1e-6, **QWEN35_2B)
@@ -55,6 +56,7 @@ def build_checkpoint(out_dir: str, layers: int) -> str:
     model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
     write_tokenizer(tmp)
     write_generation_config(tmp)
+    shutil.copyfile(os.path.join(FIXTURES, "qwen3", "chat_template.jinja"), os.path.join(tmp, "chat_template.jinja"))
     os.replace(tmp, out_dir)
     return out_dir
 
