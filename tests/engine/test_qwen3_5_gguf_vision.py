@@ -119,6 +119,8 @@ def test_f16_pair_equals_llama_cpps_mtmd(pairs):
         text = rendered.replace("<|vision_start|><|image_pad|><|vision_end|>", peer.marker)
         theirs = peer.greedy(text, [(im.width, im.height, im.tobytes()) for im in pictures], N_TOKENS)
     assert theirs["prompt"] == ids and ids.count(IMAGE_PAD) == 54 + 32
+    print(f"{os.path.basename(text_path)}: greedy tokens {'identical to' if ours == theirs['tokens'] else 'differ from'}"
+          f" mtmd's")
     if ours != theirs["tokens"]:
         k = next(i for i, (a, b) in enumerate(zip(ours, theirs["tokens"])) if a != b)
         top = sorted((lp for _, lp in events[k].logprob.top), reverse=True)[:2]
