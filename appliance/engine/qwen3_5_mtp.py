@@ -8,7 +8,8 @@ final norm (llama.cpp's `h_nextn` is taken after output_norm; vLLM's model forwa
         with its own keys and values at the MTP positions
     logits = lm_head(mtp.norm(x)),
 every RMSNorm zero-centred (1 + w, shifted by the loader). For the next draft the head's own normed output
-feeds back as h (llama.cpp's chain: the draft token at p+2 pairs with the head's h_nextn).
+feeds back as h (llama.cpp's chain: the draft token at p+2 pairs with the head's h_nextn). On the same GGUF,
+llama.cpp's MTP context gives the same drafts token for token (tests/engine/test_mtp_gguf.py).
 
 Policies:
 - The head's keys and values live in the model's HybridCache (one more KV slot, `mtp_layer`) and the last

@@ -1,6 +1,7 @@
 """The MTP head from llama.cpp's own converter's GGUF (blk.{n_layers}.nextn.*, nextn_predict_layers = 1): the
 same drafts as the Hugging Face checkpoint it was converted from (the converter's renames and +1 norm shift
-undone), and greedy tokens identical to plain decoding, dense and MoE."""
+undone), the same drafts as llama.cpp's own MTP context on that file, and greedy tokens identical to plain
+decoding, dense and MoE."""
 import numpy as np
 import pytest
 
@@ -54,3 +55,18 @@ def test_gguf_greedy_with_the_head_is_plain(files):
     _, fa = run(a, req)
     _, fb = run(b, req)
     assert fb.token_ids == fa.token_ids and fb.timings.draft_n > 0
+
+
+def test_llama_cpp_drafts_what_we_draft(files):
+    """llama.cpp's own MTP context (LLAMA_CONTEXT_TYPE_MTP, h_nextn) on the same file, driven as its draft-mtp
+    drives it (tests/support/peer_mtp.py): the target's next token and the head's greedy drafts are ours."""
+    from tests.support.peer_mtp import llama_drafts
+    _, gguf = files
+    ids = [9707, 11, 1879, 0, 13, 576, 6722, 315, 9625, 374]
+    m = load_model(gguf, LoadOptions(**OPTS, spec=SpecOptions("mtp")))
+    for n in (3, 10):
+        cache = m.model.new_cache(64)
+        nxt = int(np.argmax(m.model.forward(np.asarray(ids[:n]), cache, "last")))
+        d = MtpDrafter(m.model, cache)
+        d.extend(ids[:n] + [nxt])
+        assert [nxt, *d.propose(4)] == llama_drafts(gguf, ids[:n], 4)
