@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 
 def vocabulary_mismatch(target: Tokenizer, draft: Tokenizer) -> str | None:
     """Why two tokenizers differ as far as drafting cares (one clause), or None when they agree: every id both
-    have stands for the same bytes and is special in both or neither; ids only one has are padding (`[PAD<id>]`,
+    have stands for the same bytes and is special in both or neither (but for the <|...|> spellings, which
+    llama.cpp's converter makes special); ids only one has are padding (`[PAD<id>]`,
     what llama.cpp's converter fills a GGUF vocabulary up to the embedding's rows with)."""
     n = min(len(target), len(draft))
     a, b = target.all_token_bytes(n), draft.all_token_bytes(n)
@@ -51,7 +52,10 @@ def vocabulary_mismatch(target: Tokenizer, draft: Tokenizer) -> str | None:
     odd = next((n + j for j, t in enumerate(extra) if t not in (b"", f"[PAD{n + j}]".encode())), None)
     if odd is not None:
         return f"token {odd} is only in {whose} vocabulary ({len(draft)} tokens, the model's {len(target)})"
-    special = {i for i in target.special_ids ^ draft.special_ids if i < n}
+    # llama.cpp's converter makes an added token spelled <|...|> a control token even where tokenizer.json does
+    # not mark it special (<|fim_prefix|>): the same token either way
+    special = {i for i in target.special_ids ^ draft.special_ids
+               if i < n and not (a[i].startswith(b"<|") and a[i].endswith(b"|>"))}
     if special:
         i = min(special)
         return f"token {i} is {'' if i in draft.special_ids else 'not '}special there, unlike the model's"
