@@ -20,13 +20,13 @@ from typing import Callable
 
 import numpy as np
 
-from .image_processing import ImageError, ImageProcessor, PixelPatches
-from .prefix_cache import ImageKey, image_keys
+from .image_processing import ImageProcessor, PixelPatches
+from .prefix_cache import ImageKey
 from .qwen3_5 import Qwen35Config, Qwen35Model
 from .qwen3_vl import (
     ImageState,
+    checked_image_keys,
     encode_prompt_images,
-    image_pad_runs,
     mrope_axis_of_freq,
     mrope_cos_sin,
     multimodal_inputs,
@@ -87,13 +87,7 @@ class Qwen35VLModel:
 
     def image_keys(self, prompt_ids, images: list[PixelPatches]) -> tuple[ImageKey, ...]:
         """Each image-pad run's (start, end, pixel digest), for prefix reuse; checks runs against images."""
-        runs = image_pad_runs(np.asarray(prompt_ids, dtype=np.int64), self.image_token_id)
-        if len(runs) != len(images):
-            raise ImageError(f"the prompt has {len(runs)} image placeholders for {len(images)} images")
-        for (start, end), img in zip(runs, images):
-            if end - start != img.num_tokens:
-                raise ImageError(f"an image needs {img.num_tokens} image tokens; the prompt has {end - start}")
-        return image_keys(runs, images)
+        return checked_image_keys(prompt_ids, images, self.image_token_id)
 
     def prepare_images(self, cache: ImageHybridCache, prompt_ids, images: list[PixelPatches],
                        should_cancel: Callable[[], bool] = lambda: False, reuse: int = 0) -> int | None:

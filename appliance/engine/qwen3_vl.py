@@ -51,6 +51,18 @@ class MRopeCache(KVCache):
         self.images = None  # the next request's prepare_images sets its own
 
 
+def checked_image_keys(prompt_ids, images: list[PixelPatches], image_token_id: int) -> tuple[ImageKey, ...]:
+    """Each image-pad run's (start, end, pixel digest), for prefix reuse, after checking the runs against the
+    images (one run of each image's token count per image)."""
+    runs = image_pad_runs(np.asarray(prompt_ids, dtype=np.int64), image_token_id)
+    if len(runs) != len(images):
+        raise ImageError(f"the prompt has {len(runs)} image placeholders for {len(images)} images")
+    for (start, end), img in zip(runs, images):
+        if end - start != img.num_tokens:
+            raise ImageError(f"an image needs {img.num_tokens} image tokens; the prompt has {end - start}")
+    return image_keys(runs, images)
+
+
 @dataclass
 class Qwen3VLModel:
     config: Qwen3Config  # the text decoder's
@@ -71,13 +83,7 @@ class Qwen3VLModel:
 
     def image_keys(self, prompt_ids, images: list[PixelPatches]) -> tuple[ImageKey, ...]:
         """Each image-pad run's (start, end, pixel digest), for prefix reuse; checks runs against images."""
-        runs = image_pad_runs(np.asarray(prompt_ids, dtype=np.int64), self.image_token_id)
-        if len(runs) != len(images):
-            raise ImageError(f"the prompt has {len(runs)} image placeholders for {len(images)} images")
-        for (start, end), img in zip(runs, images):
-            if end - start != img.num_tokens:
-                raise ImageError(f"an image needs {img.num_tokens} image tokens; the prompt has {end - start}")
-        return image_keys(runs, images)
+        return checked_image_keys(prompt_ids, images, self.image_token_id)
 
     def prepare_images(self, cache: MRopeCache, prompt_ids, images: list[PixelPatches],
                        should_cancel: Callable[[], bool] = lambda: False, reuse: int = 0) -> int | None:
