@@ -125,7 +125,7 @@ def write_random_gguf(path: str, cfg, plan: list[tuple[str, tuple]], qtype_name:
 
     import gguf
 
-    from appliance.convert import GGUF_ARCH, write_hparams, write_tokenizer
+    from appliance.convert.text import GGUF_ARCH, write_hparams, write_tokenizer
     from tests.support import tiny_models
 
     if os.path.exists(path):

@@ -27,7 +27,6 @@ from appliance.native.ops_numpy import grouped_attention, rms_norm
 
 from .config import UnsupportedModelError
 from .qwen3 import apply_rope, rope_cos_sin
-from .qwen3_5_mtp import MtpHead, catch_up
 from .recurrent_cache import MTP_HIDDEN, HybridCache, RecurrentState
 
 FULL, LINEAR = "full_attention", "linear_attention"
@@ -302,3 +301,36 @@ def gated_attention(c: Qwen35Config, a: GatedAttention, x: np.ndarray, cache: Hy
     out = grouped_attention(np.ascontiguousarray(q), keys.astype(np.float32), values.astype(np.float32))
     out = out.transpose(1, 0, 2).reshape(T, H * hd) * (1.0 / (1.0 + np.exp(-gate)))  # (T, H*hd)
     return a.o(out.astype(np.float32))  # (T, hidden)
+
+
+@dataclass
+class MtpHead:
+    """The multi-token-prediction head (its maths and policies: qwen3_5_mtp.py, which drafts from it)."""
+    fc: Callable  # (T, 2*hidden) -> (T, hidden)  (eh_proj in GGUF)
+    embed_norm: np.ndarray  # (hidden,) shifted (1 + w)  (pre_fc_norm_embedding / enorm)
+    hidden_norm: np.ndarray  # (hidden,) shifted  (pre_fc_norm_hidden / hnorm)
+    layer: Layer  # a full-attention layer (GatedAttention mixer), dense or MoE MLP
+    norm: np.ndarray  # (hidden,) shifted  (mtp.norm / shared_head.norm)
+
+    def run(self, c: Qwen35Config, embed, tokens: np.ndarray, h_prev: np.ndarray, kv, slot: int,
+            cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """tokens (T,) paired with h_prev (T, hidden), keys/values written through kv.update(slot, ...) ->
+        the head's normed hidden states (T, hidden)."""
+        eps = c.rms_norm_eps
+        e = rms_norm(embed.rows(np.asarray(tokens)), self.embed_norm, eps)  # (T, hidden)
+        x = self.fc(np.concatenate([e, rms_norm(h_prev, self.hidden_norm, eps)], axis=1).astype(np.float32))
+        layer = self.layer
+        x = x + gated_attention(c, layer.mixer, rms_norm(x, layer.attn_norm, eps), kv, slot, cos, sin)  # type: ignore[arg-type]
+        x = x + layer.mlp(rms_norm(x, layer.mlp_norm, eps))
+        return rms_norm(x, self.norm, eps)  # (T, hidden)
+
+
+def catch_up(model: Qwen35Model, tokens: np.ndarray, h_out: np.ndarray, cache: HybridCache,
+             cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """The head over a forward's positions (before the cache commits them): token t paired with the normed
+    hidden state before it (the cache's last one, then this forward's). h_out (T, hidden); returns the
+    hidden state to pair each position's successor with, i.e. h_out itself."""
+    assert model.mtp is not None and cache.mtp_layer is not None
+    prev = np.concatenate([cache.state[MTP_HIDDEN].conv, h_out[:-1]], axis=0)  # (T, hidden)
+    model.mtp.run(model.config, model.embed, tokens, prev, cache, cache.mtp_layer, cos, sin)
+    return h_out

@@ -34,8 +34,17 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import qwen3
-from ..qwen3_5 import FULL, LINEAR, GatedAttention, GatedDeltaNet, Layer, Qwen35Config, Qwen35Model, SharedExpertMoE
-from ..qwen3_5_mtp import MtpHead
+from ..qwen3_5 import (
+    FULL,
+    LINEAR,
+    GatedAttention,
+    GatedDeltaNet,
+    Layer,
+    MtpHead,
+    Qwen35Config,
+    Qwen35Model,
+    SharedExpertMoE,
+)
 from ..qwen3_moe import ExpertLoadStats, Experts, MoEConfig, SparseMoE
 from ..weights import DenseWeight
 from .gguf_check import (

@@ -40,11 +40,11 @@ from ..qwen3_5 import (
     GatedAttention,
     GatedDeltaNet,
     Layer as HybridLayer,
+    MtpHead,
     Qwen35Config,
     Qwen35Model,
     SharedExpertMoE,
 )
-from ..qwen3_5_mtp import MtpHead
 from ..qwen3_5_vl import Qwen35VLModel
 from ..qwen3_moe import ExpertLoadStats, Experts, MoEConfig, SparseMoE
 from ..qwen3_vl import Qwen3VLModel

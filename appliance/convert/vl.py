@@ -3,7 +3,7 @@ llama.cpp's converter makes (convert_hf_to_gguf.py, and again with `--mmproj`), 
 (`llama-server --mmproj`) and our gguf_vl loader both take.
 
 Policies:
-- Two files: OUT.gguf, the text decoder (`general.architecture` qwen3vl / qwen3vlmoe): convert.py's Qwen3 /
+- Two files: OUT.gguf, the text decoder (`general.architecture` qwen3vl / qwen3vlmoe): text.py's Qwen3 /
   Qwen3-MoE keys, tokenizer and tensor plan over the decoder's names (`model.language_model.`), plus
   `rope.dimension_sections` (t, h, w, 0) and `n_deepstack_layers`; and mmproj-OUT.gguf beside it, the vision
   tower (`general.architecture` clip, `general.type` mmproj, projector `qwen3vl_merger`, DeepStack flags per
@@ -14,11 +14,11 @@ Policies:
   Conv3d patch kernel (hidden, C, 2, p, p) becomes two Conv2d kernels, `v.patch_embd.weight` (frame 0) and
   `.weight.1` (frame 1); the final merger's fc1/fc2 are `mm.0`/`mm.2`, its norm `v.post_ln`; DeepStack merger
   J is named by the vision layer it follows (`v.deepstack.L.*`).
-- Types: the text side as convert.py (`--type`). The projector (`--mmproj-type`, f16 by default, q8_0, f32):
+- Types: the text side as text.py (`--type`). The projector (`--mmproj-type`, f16 by default, q8_0, f32):
   2-D matrices get it (F16 where a row is not a whole number of blocks), norms and biases F32, the position
   table F32, the patch kernels F16 in an f16 file and F32 otherwise (llama.cpp's tensor_force_quant).
 - Qwen3-VL-MoE: the router always renormalises the top-k weights (the config does not say); every layer must
-  be sparse (llama.cpp's qwen3vlmoe has no dense layers). Fused experts in either layout (convert.expert_sources).
+  be sparse (llama.cpp's qwen3vlmoe has no dense layers). Fused experts in either layout (text.expert_sources).
 - The tower's tensors are checked against vision_config before anything is written (vision_check.py); each
   file is written tensor by tensor to a .tmp beside it and renamed when whole; a failure removes both .tmp files.
 """
@@ -28,7 +28,7 @@ import json
 import math
 import os
 
-from .convert import (
+from .text import (
     FILE_TYPES,
     TYPES,
     ConvertError,

@@ -1,9 +1,9 @@
-"""`kestrel-appliance convert HF_DIR OUT.gguf --type q8_0|q4_0|f16|f32`: quantize a Hugging Face checkpoint once,
-on any machine, into a GGUF file that both this engine and llama.cpp load.
+"""The text side of `kestrel-appliance convert` (the package's __init__ dispatches): a dense or MoE Hugging Face
+checkpoint written tensor by tensor into a GGUF file that both this engine and llama.cpp load.
 
 Policies:
 - Architectures: qwen3, qwen2, llama (dense) and qwen3_moe (experts per-expert or transformers-5 fused, stacked
-  per projection as llama.cpp's qwen3moe stores them); qwen3_vl / qwen3_vl_moe go to convert_vl.py (a text
+  per projection as llama.cpp's qwen3moe stores them); qwen3_vl / qwen3_vl_moe go to vl.py (a text
   file plus mmproj-OUT.gguf, `--mmproj-type`), which shares this module's plan, types and writer. Tensor names come from engine/load/names.py, the table
   the loaders use too. The file carries what llama.cpp needs to run it on its own:
   architecture hyper-parameters, the byte-level BPE tokenizer (`gpt2` model, `pre` chosen from the
@@ -20,7 +20,6 @@ Policies:
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -313,36 +312,13 @@ class Progress:
         self.stream.flush()
 
 
-def convert(model_dir: str, out_path: str, type_name: str, progress_stream=None, mmproj_type: str | None = None) -> str:
-    """Write OUT.gguf (and for a Qwen3-VL checkpoint mmproj-OUT.gguf beside it); returns out_path."""
-    return convert_files(model_dir, out_path, type_name, progress_stream, mmproj_type)[0]
-
-
-def convert_files(model_dir: str, out_path: str, type_name: str, progress_stream=None,
-                  mmproj_type: str | None = None) -> list[str]:
-    """The files written: [OUT.gguf], or for a Qwen3-VL checkpoint [OUT.gguf, mmproj-OUT.gguf] (convert_vl.py)."""
+def convert_text(model_dir: str, out_path: str, type_name: str, cfg_dict: dict, progress_stream=None) -> list[str]:
+    """Write OUT.gguf for a dense or MoE text checkpoint (config.json already read into cfg_dict)."""
     import gguf
 
     from appliance.engine.config import Qwen3Config
     from appliance.engine.safetensors import SafeTensors
 
-    if type_name not in TYPES:
-        raise ConvertError(f"unknown type {type_name!r} (choose from {', '.join(TYPES)})")
-    cfg_path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise ConvertError(f"no config.json in {model_dir}")
-    with open(cfg_path, encoding="utf-8") as f:
-        cfg_dict = json.load(f)
-    from .convert_vl import VL_ARCHITECTURES, convert_vl
-
-    if cfg_dict.get("model_type") in VL_ARCHITECTURES:
-        return list(convert_vl(model_dir, out_path, type_name, cfg_dict, mmproj_type or "f16", progress_stream))
-    if mmproj_type is not None:
-        raise ConvertError(f"--mmproj-type is for vision-language checkpoints ({', '.join(VL_ARCHITECTURES)}); "
-                           f"{cfg_dict.get('model_type')!r} has no vision tower")
-    if cfg_dict.get("model_type") not in ARCHITECTURES:
-        supported = ", ".join(ARCHITECTURES + tuple(VL_ARCHITECTURES))
-        raise ConvertError(f"unsupported model type {cfg_dict.get('model_type')!r} (supported: {supported})")
     cfg = Qwen3Config.from_dict(cfg_dict)
     moe = None
     if cfg.model_type == "qwen3_moe":
@@ -363,31 +339,3 @@ def convert_files(model_dir: str, out_path: str, type_name: str, progress_stream
     write_tensors(writer, text_types(tensor_plan(st, cfg, moe), TYPES[type_name]), st, cfg, progress_stream)
     os.replace(tmp, out_path)
     return [out_path]
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kestrel-appliance convert",
-                                description="Convert a Hugging Face checkpoint directory to a GGUF file.")
-    p.add_argument("model_dir", metavar="HF_DIR")
-    p.add_argument("out", metavar="OUT.gguf")
-    p.add_argument("--type", default="q8_0", choices=sorted(TYPES), help="weight type of the matrices")
-    p.add_argument("--mmproj-type", default=None, choices=["f16", "f32", "q8_0"],
-                   help="Qwen3-VL only: weight type of the vision projector's matrices, written to mmproj-OUT.gguf "
-                        "beside OUT.gguf (default f16)")
-    args = p.parse_args(argv)
-    try:
-        paths = convert_files(args.model_dir, args.out, args.type, mmproj_type=args.mmproj_type)
-    except (ConvertError, OSError, ValueError, KeyError) as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"kestrel-appliance convert: error: {msg}", file=sys.stderr)
-        try:
-            os.remove(args.out + ".tmp")
-        except OSError:
-            pass
-        return 2
-    print("\n".join(paths))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
