@@ -23,8 +23,20 @@ import sys
 import tempfile
 import time
 
+# Qwen3-VL-2B-Instruct's and Qwen3-VL-8B-Instruct's widths (their config.json), the text depth left to --text-layers
+SHAPES = {
+    "2b": dict(text=dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=16, num_key_value_heads=8,
+                         tie_word_embeddings=True),
+               vision=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2048,
+                           deepstack_visual_indexes=[5, 11, 17]), text_depth=28),
+    "8b": dict(text=dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+                         tie_word_embeddings=False),
+               vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096,
+                           deepstack_visual_indexes=[8, 16, 24]), text_depth=36),
+}
 
-def build(out_dir: str, text_layers: int) -> None:
+
+def build(out_dir: str, text_layers: int, shape: str = "2b") -> None:
     import torch
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
@@ -32,16 +44,17 @@ def build(out_dir: str, text_layers: int) -> None:
     from tests.support.tiny_vl import FIXTURES, write_preprocessor_config
 
     torch.manual_seed(0)
-    text = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=text_layers,
-                num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
-                rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.02,
+    widths = SHAPES[shape]
+    tied = widths["text"]["tie_word_embeddings"]
+    text = dict(vocab_size=151936, num_hidden_layers=text_layers, head_dim=128, max_position_embeddings=262144,
+                rms_norm_eps=1e-6, initializer_range=0.02, **widths["text"],
                 rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [24, 20, 20],
                                  "mrope_interleaved": True})
-    vision = dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, in_channels=3, patch_size=16,
-                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=2048, num_position_embeddings=2304,
-                  deepstack_visual_indexes=[5, 11, 17], hidden_act="gelu_pytorch_tanh", initializer_range=0.02)
+    vision = dict(in_channels=3, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                  num_position_embeddings=2304, hidden_act="gelu_pytorch_tanh", initializer_range=0.02,
+                  **widths["vision"])
     model = Qwen3VLForConditionalGeneration(Qwen3VLConfig(text_config=text, vision_config=vision,
-                                                          tie_word_embeddings=True))
+                                                          tie_word_embeddings=tied))
     model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
     del model
     write_tokenizer(out_dir)
@@ -65,6 +78,7 @@ def best_of(fn, repeat: int) -> tuple[float, object]:
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--text-layers", type=int, default=4)
+    ap.add_argument("--shape", default="2b", choices=sorted(SHAPES), help="Qwen3-VL-2B's or -8B's widths")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args(argv)
@@ -87,7 +101,7 @@ def main(argv: list[str]) -> int:
     jpeg = image_bytes(448, 448, "JPEG", seed=1, quality=90)
     with tempfile.TemporaryDirectory() as d:
         t = time.perf_counter()
-        build(d, args.text_layers)
+        build(d, args.text_layers, args.shape)
         build_s = time.perf_counter() - t
         loaded = load_model(d, context_length=1024, prefill_chunk=256)
         model = loaded.model

@@ -11,7 +11,7 @@ Each engine runs in its own child process (RSS is its own): load, then the promp
 --decode greedy steps. Rows: best of --repeat; time ratios are ours / llama.cpp (< 1: we are faster), tok/s
 ratios ours / llama.cpp (> 1: we are faster). Goals (issue 25): encode <= 0.8x, prefill and decode >= 1.1x.
 
-Usage: python bench/vision_mtmd_bench.py [--text-layers 4] [--text-type Q4_0] [--repeat 2] [--decode 32]
+Usage: python bench/vision_mtmd_bench.py [--shape 2b|8b] [--text-layers 4] [--text-type Q4_0] [--repeat 2] [--decode 32]
 Prints one JSON object.
 """
 from __future__ import annotations
@@ -41,17 +41,17 @@ def rss_mb() -> float:
     return 0.0
 
 
-def make_pair(text_layers: int, text_type: str) -> tuple[str, str, str]:
+def make_pair(text_layers: int, text_type: str, shape: str = "2b") -> tuple[str, str, str]:
     """(checkpoint dir, text.gguf, mmproj.gguf), built once into the bench cache by llama.cpp's tools."""
     import peer
     import vision_bench
 
     from tests.support.llama_convert import convert_hf
 
-    base = os.path.join(CACHE, f"qwen3vl-2b-shape-{text_layers}L")
+    base = os.path.join(CACHE, f"qwen3vl-{shape}-shape-{text_layers}L")
     hf = os.path.join(base, "hf")
     if not os.path.exists(os.path.join(hf, "config.json")):
-        vision_bench.build(hf + ".tmp", text_layers)
+        vision_bench.build(hf + ".tmp", text_layers, shape)
         os.replace(hf + ".tmp", hf)
     text = os.path.join(base, f"text-{text_type}.gguf")
     mmproj = os.path.join(base, "mmproj-f16.gguf")
@@ -135,6 +135,7 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--text-layers", type=int, default=4)
     ap.add_argument("--text-type", default="Q4_0")
+    ap.add_argument("--shape", default="2b", choices=["2b", "8b"], help="Qwen3-VL-2B's or -8B's widths")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -143,8 +144,10 @@ def main(argv: list[str]) -> int:
     if args.child:
         print(json.dumps(ours_child(*args.child, args.repeat, args.decode, args.threads)))
         return 0
+    import vision_bench
+
     t = time.perf_counter()
-    _, text, mmproj = make_pair(args.text_layers, args.text_type)
+    _, text, mmproj = make_pair(args.text_layers, args.text_type, args.shape)
     build_s = time.perf_counter() - t
     load_before = os.getloadavg()[0]
     p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", text, mmproj, "--repeat",
@@ -162,7 +165,8 @@ def main(argv: list[str]) -> int:
         return {"ours_tok_s": round(per_s / o, 1), "llama_tok_s": round(per_s / r, 1), "ratio_tok_s": round(r / o, 2)}
 
     result = {
-        "pair": f"Qwen3-VL-2B widths, {args.text_layers} of 28 text layers, {args.text_type} text + F16 mmproj "
+        "pair": f"Qwen3-VL-{args.shape.upper()} widths, {args.text_layers} of "
+                f"{vision_bench.SHAPES[args.shape]['text_depth']} text layers, {args.text_type} text + F16 mmproj "
                 "(llama.cpp's converter and quantizer), random weights",
         "image": "448x448 PNG", "image_tokens": ours["image_tokens"], "prompt_tokens": n,
         "same_prompt_length": n == ref["prompt_tokens"], "threads": args.threads, "build_s": round(build_s, 1),

@@ -10,7 +10,7 @@ from appliance.engine.load import LoadOptions, ModelLoadError, decoder_of, load_
 from appliance.engine.qwen3_5_mtp import MtpDrafter
 from appliance.engine.sampling import SamplingParams
 from appliance.engine.speculative import NgramDrafter, SpecOptions
-from tests.engine.test_speculative import GREEDY, ids_of, run
+from tests.engine.test_speculative import GREEDY, assert_same_distribution, ids_of, run
 from tests.support.tiny_models import make_bigram_with_mtp
 
 OPTS = dict(context_length=512, prefill_chunk=16)
@@ -70,6 +70,27 @@ def test_a_stop_string_inside_an_accepted_run(tiny_qwen3_5_mtp, tmp_path):
     assert fa.reason == fb.reason == "stop" and fb.token_ids == fa.token_ids
     assert "".join(t.text for t in tb) + fb.text == "".join(t.text for t in ta) + fa.text
     assert b.engine.cache_tokens == ids + fb.token_ids[:-1] and b.engine.cache.length == len(b.engine.cache_tokens)
+
+
+def test_sampled_distribution_with_mtp_drafts_matches_plain(tiny_qwen3_5_mtp, tmp_path):
+    """Speculative sampling's accept/resample rule on a recurrent model with its MTP head drafting: the third
+    answer token at temperature 0.1 (peaked enough that the head's greedy drafts are often, not always, the
+    sampled token), 300 draws per arm with different seeds, compared by a chi-square test at the 0.001 level."""
+    a, b = pair(make_bigram_with_mtp(tiny_qwen3_5_mtp, str(tmp_path / "bigram")))
+    assert isinstance(b.engine.drafter(), MtpDrafter)
+    ids = ids_of(a, "Say: Sunny in Paris today.")
+    counts: list[dict[int, int]] = [{}, {}]
+    accepted = rejected = 0
+    for arm, loaded in enumerate((a, b)):
+        for seed in range(300):
+            sp = SamplingParams(temperature=0.1, seed=seed + 100_000 * arm)
+            _, fin = run(loaded, GenerationRequest(ids, sp, max_tokens=4, ignore_eos=True))
+            tok = fin.token_ids[2]
+            counts[arm][tok] = counts[arm].get(tok, 0) + 1
+            accepted += fin.timings.draft_n_accepted
+            rejected += fin.timings.draft_n - fin.timings.draft_n_accepted
+    assert accepted > 100 and rejected > 50  # drafts were verified, and the resample branch was taken
+    assert_same_distribution(counts, 300)
 
 
 def test_which_drafter_at_load(tiny_qwen3_5_mtp, tiny_qwen3_5):

@@ -273,10 +273,16 @@ def test_sampled_distribution_with_independent_seeds_matches_plain(scripted_qwen
             counts[arm][tok] = counts[arm].get(tok, 0) + 1
             accepted += fin.timings.draft_n_accepted
     assert accepted > 100                  # the arm with drafts did verify runs
+    assert_same_distribution(counts, 300)
+
+
+def assert_same_distribution(counts: list[dict[int, int]], draws: int) -> None:
+    """Chi-square homogeneity test of two arms' token counts (draws each) at the 0.001 level, over the (up to 4)
+    tokens drawn at least 20 times in the two arms together and one category for all the others."""
     top = sorted(set(counts[0]) | set(counts[1]), key=lambda t: -(counts[0].get(t, 0) + counts[1].get(t, 0)))
     cats = [t for t in top if counts[0].get(t, 0) + counts[1].get(t, 0) >= 20][:4]
     assert cats, counts
-    table = np.array([[c.get(t, 0) for t in cats] + [300 - sum(c.get(t, 0) for t in cats)] for c in counts], float)
+    table = np.array([[c.get(t, 0) for t in cats] + [draws - sum(c.get(t, 0) for t in cats)] for c in counts], float)
     table = table[:, table.sum(0) > 0]
     expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
     chi2 = float(((table - expected) ** 2 / expected).sum())
