@@ -118,8 +118,9 @@ def test_x8_layout_matmul_is_bit_exact(qtype, level):
 def test_float_matmul_matches_twin(qtype, level):
     kernels.set_simd_level(level)
     rng = np.random.default_rng(int(qtype))
-    # n not a multiple of 8 too; n past 256 and T past several multi-token tiles
-    for rows, n, T in [(1, 1, 1), (5, 13, 2), (37, 67, 5), (6, 256, 1), (9, 600, 13), (4, 1031, 20)]:
+    # n not a multiple of 8 too; n past 256 and T past several multi-token tiles; T past several column blocks
+    # (matmul.c's cache blocking: 24 columns of 2048 floats a block)
+    for rows, n, T in [(1, 1, 1), (5, 13, 2), (37, 67, 5), (6, 256, 1), (9, 600, 13), (4, 1031, 20), (9, 2048, 61)]:
         w = random_weight(qtype, rows, n, rng)
         x = _x(rng, T, n)
         got, want = kernels.matmul(qtype, w, x), twins.matmul(qtype, w, x)
@@ -131,13 +132,14 @@ def test_float_matmul_matches_twin(qtype, level):
 @pytest.mark.parametrize("qtype", FLOAT, ids=lambda t: t.name)
 def test_float_matmul_column_does_not_depend_on_batch(qtype, level):
     """A token's output is the same whether it is computed alone (decode), in a chunk or in a whole prefill
-    (a multi-token tile keeps one arithmetic per output: one FMA chain over k)."""
+    (a multi-token tile keeps one arithmetic per output: one FMA chain over k), and wherever it falls among the
+    column blocks of a long batch (84 columns of 777 floats a block here)."""
     kernels.set_simd_level(level)
     rng = np.random.default_rng(40 + int(qtype))
     w = random_weight(qtype, 11, 777, rng)
-    x = _x(rng, 23, 777)
+    x = _x(rng, 200, 777)
     full = kernels.matmul(qtype, w, x)
-    for a, b in [(0, 1), (5, 6), (3, 10), (7, 23)]:
+    for a, b in [(0, 1), (5, 6), (3, 10), (7, 23), (80, 90), (150, 200)]:
         np.testing.assert_array_equal(kernels.matmul(qtype, w, x[a:b]), full[a:b])
 
 

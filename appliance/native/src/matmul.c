@@ -121,19 +121,36 @@ typedef struct {
     kq_tile_fn fn;
     const uint8_t *w;
     size_t rb;
-    int64_t rows, nb, T;
+    int64_t rows, nb, T, tb;
     const void *act;
     float *out;
 } mm_ctx;
 
+/* Policy (cache blocking): with float weights (F32, F16, BF16: float activations, 4 bytes per element) a task's
+ * row tiles run over one block of tb columns at a time, the block's activations (at most KQ_ACT_BLOCK_BYTES) staying
+ * in L2 while every row tile of the task reads them. Without it each 4-row tile streamed all T columns from L3 or
+ * memory: a 784-patch vision product reads 3.2 MB of activations per 4 rows, bound near 2 flops per byte of L3
+ * (58 -> 110-145 GFLOP/s on one Xeon core). The quantized tiles keep one pass over all T: their activations are a
+ * quarter the size and each call unpacks its weights once for all its columns, so blocking measured 3-7% slower at
+ * 256 tokens. Each output is still computed by the same tile code over the same k: the numbers do not change. */
+#define KQ_ACT_BLOCK_BYTES (256 * 1024) /* half the A76's L2 */
+
 static void mm_task(void *c_, int64_t a, int64_t b) { /* row tiles a .. b-1 */
     const mm_ctx *c = c_;
-    for (int64_t i = a; i < b; i++) {
-        int64_t r0 = 4 * i;
-        int nr = c->rows - r0 < 4 ? (int)(c->rows - r0) : 4;
-        if (i + KQ_PF_TILES < b) kq_prefetch_rows(c->w, c->rb, r0 + 4 * KQ_PF_TILES, c->rows);
-        c->fn(c->w, c->rb, r0, nr, c->nb, c->act, 0, c->T, c->out, c->rows);
+    for (int64_t t0 = 0; t0 < c->T; t0 += c->tb) {
+        int64_t t1 = t0 + c->tb < c->T ? t0 + c->tb : c->T;
+        for (int64_t i = a; i < b; i++) {
+            int64_t r0 = 4 * i;
+            int nr = c->rows - r0 < 4 ? (int)(c->rows - r0) : 4;
+            if (i + KQ_PF_TILES < b) kq_prefetch_rows(c->w, c->rb, r0 + 4 * KQ_PF_TILES, c->rows);
+            c->fn(c->w, c->rb, r0, nr, c->nb, c->act, t0, t1, c->out, c->rows);
+        }
     }
+}
+
+static int64_t column_block(size_t act_row_bytes, int64_t T) { /* a multiple of 12 (whole tiles of 2, 4 and 6) */
+    int64_t tb = (int64_t)(KQ_ACT_BLOCK_BYTES / (act_row_bytes ? act_row_bytes : 1)) / 12 * 12;
+    return tb < 12 ? 12 : tb > T ? T : tb;
 }
 
 typedef struct { const float *x; int64_t n; void *out; int k; } aq_ctx;
@@ -231,7 +248,8 @@ int kq_matmul(int qtype, const uint8_t *w, int64_t rows, int64_t n, const float 
     kq_tile_fn fn = kq_tile_kernel(qtype, &ak); /* the activations it reads: float rows, act32 or act256 blocks */
     if (!fn) return -1;
     mm_ctx c = {.fn = fn, .w = w, .rb = rb, .rows = rows, .T = T, .out = out, .act = x,
-                .nb = ak == KQ_ACT_Q32 ? n / 32 : ak == KQ_ACT_Q256 ? n / 256 : n};
+                .nb = ak == KQ_ACT_Q32 ? n / 32 : ak == KQ_ACT_Q256 ? n / 256 : n,
+                .tb = ak == KQ_ACT_F32 ? column_block(kq_act_row_bytes(ak, n), T) : T};
     if (ak != KQ_ACT_F32) {
         void *scratch = kq_scratch(0, (size_t)T * kq_act_row_bytes(ak, n));
         if (!scratch) return -2;
