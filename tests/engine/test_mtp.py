@@ -10,7 +10,7 @@ from appliance.engine.load import LoadOptions, ModelLoadError, decoder_of, load_
 from appliance.engine.qwen3_5_mtp import MtpDrafter
 from appliance.engine.sampling import SamplingParams
 from appliance.engine.speculative import NgramDrafter, SpecOptions
-from tests.engine.test_speculative import GREEDY, assert_same_distribution, ids_of, run
+from tests.engine.test_speculative import GREEDY, assert_same_distribution, ids_of, run, third_token_counts
 from tests.support.tiny_models import make_bigram_with_mtp
 
 OPTS = dict(context_length=512, prefill_chunk=16)
@@ -79,16 +79,7 @@ def test_sampled_distribution_with_mtp_drafts_matches_plain(tiny_qwen3_5_mtp, tm
     a, b = pair(make_bigram_with_mtp(tiny_qwen3_5_mtp, str(tmp_path / "bigram")))
     assert isinstance(b.engine.drafter(), MtpDrafter)
     ids = ids_of(a, "Say: Sunny in Paris today.")
-    counts: list[dict[int, int]] = [{}, {}]
-    accepted = rejected = 0
-    for arm, loaded in enumerate((a, b)):
-        for seed in range(300):
-            sp = SamplingParams(temperature=0.1, seed=seed + 100_000 * arm)
-            _, fin = run(loaded, GenerationRequest(ids, sp, max_tokens=4, ignore_eos=True))
-            tok = fin.token_ids[2]
-            counts[arm][tok] = counts[arm].get(tok, 0) + 1
-            accepted += fin.timings.draft_n_accepted
-            rejected += fin.timings.draft_n - fin.timings.draft_n_accepted
+    counts, accepted, rejected = third_token_counts((a, b), ids, 0.1, 300)
     assert accepted > 100 and rejected > 50  # drafts were verified, and the resample branch was taken
     assert_same_distribution(counts, 300)
 

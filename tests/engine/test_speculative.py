@@ -263,17 +263,25 @@ def test_sampled_distribution_with_independent_seeds_matches_plain(scripted_qwen
     ids = a.tokenizer.encode(a.chat_template.render(
         [{"role": "user", "content": "Say: Sunny in Paris today. Sunny in Paris today."}],
         add_generation_prompt=True, enable_thinking=False))
-    counts: list[dict[int, int]] = [{}, {}]
-    accepted = 0
-    for arm, loaded in enumerate((a, b)):
-        for seed in range(300):
-            sp = SamplingParams(temperature=2.0, seed=seed + 100_000 * arm)
+    counts, accepted, _ = third_token_counts((a, b), ids, 2.0, 300)
+    assert accepted > 100                  # the arm with drafts did verify runs
+    assert_same_distribution(counts, 300)
+
+
+def third_token_counts(arms, ids, temperature: float, draws: int) -> tuple[list[dict[int, int]], int, int]:
+    """Each arm's counts of the third answer token over `draws` seeds (different seeds per arm), and the drafted
+    tokens accepted and rejected over all the runs."""
+    counts: list[dict[int, int]] = [{} for _ in arms]
+    accepted = rejected = 0
+    for arm, loaded in enumerate(arms):
+        for seed in range(draws):
+            sp = SamplingParams(temperature=temperature, seed=seed + 100_000 * arm)
             _, fin = run(loaded, GenerationRequest(ids, sp, max_tokens=4, ignore_eos=True))
             tok = fin.token_ids[2]
             counts[arm][tok] = counts[arm].get(tok, 0) + 1
             accepted += fin.timings.draft_n_accepted
-    assert accepted > 100                  # the arm with drafts did verify runs
-    assert_same_distribution(counts, 300)
+            rejected += fin.timings.draft_n - fin.timings.draft_n_accepted
+    return counts, accepted, rejected
 
 
 def assert_same_distribution(counts: list[dict[int, int]], draws: int) -> None:
