@@ -1,6 +1,7 @@
 """Qwen3.5 (hybrid Gated DeltaNet) through the CLI server with the official openai client: greedy answers equal
 transformers' on the same rendered prompt, streamed and not; a follow-up turn reuses the recurrent-state
-snapshot (all of turn 1's prompt but its generation prompt; the share printed) and still answers as transformers does, also after a cancelled stream; structured output, the Responses API and Ollama's chat work;
+snapshot (all of turn 1's prompt but its generation prompt; the share printed) and still answers as transformers
+does, also after a cancelled stream; structured output, the Responses API and Ollama's chat work;
 a streamed answer about two non-square images (the vision tower in the checkpoint) equals transformers' greedy
 answer, its image tokens in usage; a malformed image part is refused with 400."""
 from __future__ import annotations
