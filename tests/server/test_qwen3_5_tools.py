@@ -4,7 +4,7 @@ Qwen3-Coder XML form (`<tool_call>\\n<function=N>\\n<parameter=P>\\nV\\n</parame
 
 - a forced call (tool_choice naming the function) decodes in that form under the grammar and comes back as
   `tool_calls` with JSON arguments that fit the parameters, streamed and not (the fragments join to the same
-  arguments); cut by max_tokens at every length, its arguments are a prefix of the whole call's, never content;
+  arguments), and as the same function_call item through the Responses API; cut by max_tokens at every length, its arguments are a prefix of the whole call's, never content;
 - a conversation carrying the call (arguments as the JSON string OpenAI clients send) and its tool result renders
   exactly as transformers' apply_chat_template renders it (arguments as an object, as the template needs), and is
   answered: the template used to fail on string arguments, a 400 for every agent's second turn.
@@ -83,6 +83,13 @@ def test_forced_call_is_parsed_streamed_and_not_and_cut_anywhere(client):
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
     assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    fn = FORCED["function"]                     # the Responses API: the same call as a function_call item
+    resp = client.responses.create(model="m", input=ASK, temperature=0, max_output_tokens=200,
+                                   tools=[{"type": "function", "name": fn["name"], "parameters": fn["parameters"]}],
+                                   tool_choice={"type": "function", "name": fn["name"]}, extra_body=NO_THINK)
+    [item] = [o for o in resp.output if o.type == "function_call"]
+    assert item.name == "get_weather" and item.arguments == call.function.arguments
 
     for n in range(1, whole.usage.completion_tokens):
         r = client.chat.completions.create(max_tokens=n, **kw)
