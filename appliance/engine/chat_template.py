@@ -18,6 +18,13 @@ Policies:
 - Whether a template renders tools at all (renders_tools) is probed once, as llama.cpp's minja does: a user
   message with one made-up tool is rendered and the tool's name must appear in the text. Templates that fail
   the probe get the generic tool format (protocol/generic_tools.py).
+- How the template writes an assistant's tool calls (call_style) is probed once the same way, by rendering one
+  made-up call with its arguments as an object and as a JSON string: "xml" when it comes out as `<function=NAME>`
+  with `<parameter=P>` blocks (Qwen3.5's and Qwen3-Coder's templates; protocol/xml_tool_calls.py parses them),
+  else "json" (Qwen3's Hermes blocks); and whether only object arguments reach the text (Qwen3.5's template
+  iterates `arguments|items`, as llama.cpp's caps probe calls requires_object_arguments). For such a template a
+  call's arguments given as a JSON string (as OpenAI clients send them) are decoded to their object before
+  rendering, as llama.cpp does; a string that is not a JSON object is a ChatTemplateError (a 400).
 - Any failure while rendering (a raise_exception() in the template, a type error on malformed messages, a
   sandbox violation) surfaces as ChatTemplateError, a ValueError the server turns into a 400.
 """
@@ -39,6 +46,7 @@ from appliance.engine.tokenizer import NAMED_SPECIAL_TOKENS, _token_content
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _PROBE_TOOL = "kestrel_probe_tool"
+_PROBE_ARG, _PROBE_VALUE = "kestrel_probe_arg", "kestrel_probe_value"
 
 
 class ChatTemplateError(ValueError):
@@ -214,8 +222,9 @@ class ChatTemplate:
                 raise
             except ChatTemplateError:
                 pass
-        self.__dict__.pop("renders_tools", None)
-        self.renders_tools  # noqa: B018  (probed now, not by the first request)
+        for probed in ("renders_tools", "call_style"):
+            self.__dict__.pop(probed, None)
+            getattr(self, probed)   # probed now, not by the first request
 
     @functools.cached_property
     def renders_tools(self) -> bool:
@@ -226,10 +235,36 @@ class ChatTemplate:
             return False
         return _PROBE_TOOL in text
 
+    @functools.cached_property
+    def call_style(self) -> tuple[str, bool]:
+        """(how the template writes an assistant's tool calls: "xml" | "json", whether it needs their arguments as
+        objects), probed once with a made-up call."""
+        texts = []
+        for args in ({_PROBE_ARG: _PROBE_VALUE}, json.dumps({_PROBE_ARG: _PROBE_VALUE})):
+            call = {"id": "call_0", "type": "function", "function": {"name": _PROBE_TOOL, "arguments": args}}
+            messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                        {"role": "tool", "tool_call_id": "call_0", "content": "ok"}]
+            try:
+                texts.append(self._render(prepare_messages(messages), [_probe_tool()], True, {}))
+            except ChatTemplateError:
+                texts.append("")
+        xml = any(f"<function={_PROBE_TOOL}>" in t and f"<parameter={_PROBE_ARG}>" in t for t in texts)
+        return ("xml" if xml else "json"), _PROBE_VALUE in texts[0] and _PROBE_VALUE not in texts[1]
+
+    @property
+    def tool_format(self) -> str:
+        return self.call_style[0]
+
     def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
                add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """The prompt text for messages. kwargs (enable_thinking=..., documents=...) become template variables."""
         chat = prepare_messages(messages)
+        if any(_string_arguments(m) for m in chat) and self.call_style[1]:
+            chat = [_object_arguments(m, i) for i, m in enumerate(chat)]
+        return self._render(chat, tools, add_generation_prompt, kwargs)
+
+    def _render(self, chat: list[dict], tools: Sequence[Mapping[str, Any]] | None, add_generation_prompt: bool,
+                kwargs: Mapping[str, Any]) -> str:
         if tools is not None and (not isinstance(tools, (list, tuple))
                                   or not all(isinstance(t, Mapping) for t in tools)):
             raise ChatTemplateError("tools must be a list of JSON schema objects")
@@ -251,6 +286,32 @@ class ChatTemplate:
         except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError,
                 MemoryError) as e:  # malformed messages reaching template operators
             raise ChatTemplateError(f"chat template failed on these messages: {type(e).__name__}: {e}") from e
+
+
+def _string_arguments(message: Mapping[str, Any]) -> bool:
+    calls = message.get("tool_calls")
+    return isinstance(calls, list) and any(isinstance(c, Mapping) and isinstance(c.get("function"), Mapping)
+                                           and isinstance(c["function"].get("arguments"), str) for c in calls)
+
+
+def _object_arguments(message: dict, i: int) -> dict:
+    """The message with its tool calls' JSON-string arguments decoded to objects."""
+    if not _string_arguments(message):
+        return message
+    calls = []
+    for k, call in enumerate(message["tool_calls"]):
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        if isinstance(fn, Mapping) and isinstance(fn.get("arguments"), str):
+            try:
+                args = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
+            except ValueError:
+                args = None
+            if not isinstance(args, dict):
+                raise ChatTemplateError(f"messages[{i}].tool_calls[{k}].function.arguments must be a JSON object "
+                                        f"for this model's chat template")
+            call = {**call, "function": {**fn, "arguments": args}}
+        calls.append(call)
+    return {**message, "tool_calls": calls}
 
 
 def _probe_tool() -> dict:

@@ -9,6 +9,10 @@ Policies:
   whose `part` names the request field it refuses. The
   tokenizer table every grammar needs is built while the model loads (build_grammar_tokenizer): that work
   holds the GIL, so no worker thread can do it without stalling the event loop.
+- Qwen3.5's XML calls (`<function=NAME>` / `<parameter=P>` blocks, protocol/xml_tool_calls.py): the declared
+  parameters in their schema's order, the required ones always, the others optional; a string parameter's value is
+  free text without `</parameter>` (an enum / const of strings: one of them), any other value a `%json` of its
+  schema; a function whose parameters declare no properties takes none.
 - Bounded work: compile and every mask step run under LLParserLimits (lexer states, grammar size, per-step
   fuel), so no schema can hang the engine or grow its memory without bound.
 - JSON is compact-ish and whitespace-free outside strings (", " and ": " separators): a model cannot loop on
@@ -244,6 +248,57 @@ def tool_calls_rules(tools: Iterable[tuple[str, Any]], parallel: bool, tokenizer
     return f'body: {calls}\ncall: {open_tag} "\\n" call_json "\\n" {close_tag}\n' + _call_json_rules(tools)
 
 
+def is_string_schema(schema: Any) -> bool:
+    """An XML parameter's value is text: type "string", or an enum / const of strings only (the same test as
+    protocol/xml_tool_calls.is_string_schema, which parses what this grammar lets through)."""
+    if not isinstance(schema, dict):
+        return False
+    if schema.get("type") == "string":
+        return True
+    values = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    return isinstance(values, list) and bool(values) and all(isinstance(v, str) for v in values)
+
+
+_XML_TEXT = "XML_TEXT: /(?s:.*)\\n<\\/parameter>\\n/ & ~/(?s:.*)<\\/parameter>(?s:..+)/\n"
+
+
+def _xml_param_rule(rule: str, name: str, schema: Any) -> str:
+    """Lark for one XML parameter, `<parameter=P>\\nVALUE\\n</parameter>\\n`. Free text and its closing tag are one
+    lexeme (text up to the first `\\n</parameter>\\n`): as two, llguidance's greedy text lexeme would swallow
+    the tag."""
+    head = json.dumps(f"<parameter={name}>\n", ensure_ascii=False)
+    close = json.dumps("\n</parameter>\n")
+    if not is_string_schema(schema):
+        return f"{rule}: {head} {_json_rule(schema if isinstance(schema, dict) else {})} {close}\n"
+    values = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if isinstance(values, list):
+        return f"{rule}: {head} (" + " | ".join(json.dumps(v, ensure_ascii=False) for v in values) + f") {close}\n"
+    return f"{rule}: {head} XML_TEXT\n"
+
+
+def xml_tool_calls_rules(tools: Iterable[tuple[str, Any]], parallel: bool, tokenizer=None, llg_tokenizer=None) -> str:
+    """Lark for Qwen3.5's XML calls, as its template writes them: `<tool_call>\\n<function=N>\\n` then each
+    parameter as `<parameter=P>\\nVALUE\\n</parameter>\\n`, then `</function>\\n</tool_call>`; several calls
+    separated by a newline when parallel."""
+    calls = 'call ("\\n" call)*' if parallel else "call"
+    open_tag, close_tag = (_lark_literal(t, tokenizer, llg_tokenizer) for t in ("<tool_call>", "</tool_call>"))
+    rules = [f'body: {calls}\ncall: {open_tag} "\\n" function "\\n" {close_tag}\n', _XML_TEXT]
+    functions = []
+    for i, (name, params) in enumerate(tools):
+        props = params.get("properties") if isinstance(params, dict) else None
+        props = props if isinstance(props, dict) else {}
+        required = set(params.get("required") or ()) if isinstance(params, dict) else set()
+        parts = []
+        for j, (pname, pschema) in enumerate(props.items()):
+            rules.append(_xml_param_rule(f"param_{i}_{j}", pname, pschema))
+            parts.append(f"param_{i}_{j}" + ("" if pname in required else "?"))
+        head = json.dumps(f"<function={name}>\n", ensure_ascii=False)
+        rules.append(f'function_{i}: {head} {" ".join(parts)} "</function>"\n')
+        functions.append(f"function_{i}")
+    rules.append(f"function: {' | '.join(functions)}\n")
+    return "".join(rules)
+
+
 def grammar_for(fmt, tokenizer=None, llg_tokenizer=None, think: str = "none") -> str:
     """The llguidance grammar (Lark) of a protocol.structured.OutputFormat.
 
@@ -255,6 +310,8 @@ def grammar_for(fmt, tokenizer=None, llg_tokenizer=None, think: str = "none") ->
         rules = f"body: {_json_rule(fmt.schema)}\n"
     elif fmt.kind == "tool_calls":
         rules = tool_calls_rules(fmt.tools, fmt.parallel, tokenizer, llg_tokenizer)
+    elif fmt.kind == "xml_tool_calls":
+        rules = xml_tool_calls_rules(fmt.tools, fmt.parallel, tokenizer, llg_tokenizer)
     elif fmt.kind == "generic_tool_calls":
         rules = generic_tool_rules(fmt.tools, fmt.parallel, fmt.schema)
     else:

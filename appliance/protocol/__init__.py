@@ -16,6 +16,7 @@ format is tested byte-for-byte without a server. appliance/h11_server.py is the 
   stats.py        GenerationStats -> llama.cpp-style timings and the seed's metrics
   reasoning.py    ReasoningSplitter (<think> blocks -> reasoning_content)
   tool_calls.py   ToolCallParser (<tool_call> blocks -> tool_calls)
+  xml_tool_calls.py XmlToolCallParser (Qwen3.5 / Qwen3-Coder <function=...> blocks -> tool_calls)
   router.py       OutputRouter: each token's text through both -> reasoning / content / tool calls
   assemble.py     Chat/CompletionAssembler: engine events -> SSE bytes or the non-stream body
   ollama_stream.py, responses_stream.py   the same for Ollama's NDJSON and the Responses API's typed events
@@ -36,7 +37,9 @@ if TYPE_CHECKING:
     from .stats import GenerationStats
 
 Phase = Literal["queued", "prefill"]  # where a request waits for its first token (the keep-alive says which)
-ToolFormat = Literal["template", "generic"]  # how tool calls are written: the template's blocks, or generic JSON
+ToolFormat = Literal["template", "generic", "xml"]  # how tool calls are written: the template's JSON blocks,
+                                                    # generic JSON, or the template's XML blocks (Qwen3.5)
+ToolsArg = bool | Sequence[Any]   # an assembler's `tools`: parse calls (the request's tools: their parameters' types)
 
 
 class Assembler(Protocol):

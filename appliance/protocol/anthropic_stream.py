@@ -33,7 +33,7 @@ import json
 import secrets
 from typing import Any, Callable, Sequence
 
-from appliance.protocol import ToolFormat
+from appliance.protocol import ToolFormat, ToolsArg
 from appliance.protocol.errors import ApiError
 from appliance.protocol.logprobs import LogprobEntry
 from appliance.protocol.router import OutputRouter
@@ -79,7 +79,7 @@ class AnthropicAssembler:
     stream_headers = SSE_HEADERS
 
     def __init__(self, model: str, prompt_tokens: int, max_tokens: int, *, in_reasoning: bool = False,
-                 tools: bool = False, tool_format: ToolFormat = "template", message_id: str | None = None,
+                 tools: ToolsArg = False, tool_format: ToolFormat = "template", message_id: str | None = None,
                  make_id: Callable[[str], str] = new_id):
         self.model = model
         self.prompt_tokens = prompt_tokens          # set again once images are expanded (server/anthropic.py)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from appliance.protocol import Phase, ToolFormat
+from appliance.protocol import Phase, ToolFormat, ToolsArg
 from appliance.protocol.chunks import ChatChunks, CompletionChunks, chat_completion, new_completion_id, text_completion
 from appliance.protocol.errors import ApiError
 from appliance.protocol.logprobs import LogprobEntry
@@ -62,7 +62,7 @@ class ChatAssembler(_Tail):
     """`chunks.include_usage` decides the usage event (its chunks then carry "usage": null, as OpenAI's do)."""
 
     def __init__(self, chunks: ChatChunks, *, in_reasoning: bool = False, reasoning: bool = True,
-                 tools: bool = False, tool_format: ToolFormat = "template", logprobs: bool = False,
+                 tools: ToolsArg = False, tool_format: ToolFormat = "template", logprobs: bool = False,
                  include_metrics: bool = False, include_tokens: bool = False,
                  new_id: Callable[[], str] = new_call_id):
         super().__init__(include_metrics, include_tokens)
@@ -84,7 +84,7 @@ class ChatAssembler(_Tail):
         """From a parsed ChatRequest; `in_reasoning`: the rendered prompt left a think block open."""
         chunks = ChatChunks(completion_id or new_completion_id("chatcmpl"), model, created,
                             include_usage=req.include_usage)
-        return cls(chunks, in_reasoning=in_reasoning, reasoning=reasoning, tools=bool(req.tools),
+        return cls(chunks, in_reasoning=in_reasoning, reasoning=reasoning, tools=req.tools or False,
                    tool_format=req.tool_format, logprobs=req.sampling.logprobs, include_metrics=req.include_metrics,
                    include_tokens=req.include_tokens)
 

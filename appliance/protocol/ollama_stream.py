@@ -21,7 +21,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any, Callable, Sequence
 
-from appliance.protocol import Phase, ToolFormat
+from appliance.protocol import Phase, ToolFormat, ToolsArg
 from appliance.protocol.errors import ApiError
 from appliance.protocol.logprobs import LogprobEntry
 from appliance.protocol.router import OutputRouter
@@ -80,7 +80,7 @@ def ollama_tool_call(call: dict[str, Any], index: int) -> dict[str, Any]:
 class _OllamaAssembler:
     stream_headers = NDJSON_HEADERS
 
-    def __init__(self, model: str, *, in_reasoning: bool = False, tools: bool = False,
+    def __init__(self, model: str, *, in_reasoning: bool = False, tools: ToolsArg = False,
                  tool_format: ToolFormat = "template", clock: Callable[[], str] = rfc3339,
                  new_id: Callable[[], str] | None = None):
         self.model = model

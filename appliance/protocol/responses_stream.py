@@ -24,7 +24,7 @@ import secrets
 import time
 from typing import Any, Callable, Sequence
 
-from appliance.protocol import Phase, ToolFormat
+from appliance.protocol import Phase, ToolFormat, ToolsArg
 from appliance.protocol.errors import ApiError
 from appliance.protocol.logprobs import LogprobEntry
 from appliance.protocol.router import OutputRouter
@@ -54,7 +54,7 @@ class ResponsesAssembler:
     stream_headers = SSE_HEADERS
 
     def __init__(self, model: str, created_at: int, echo: dict[str, Any], *, in_reasoning: bool = False,
-                 tools: bool = False, tool_format: ToolFormat = "template", response_id: str | None = None,
+                 tools: ToolsArg = False, tool_format: ToolFormat = "template", response_id: str | None = None,
                  new_id: Callable[[str], str] = new_item_id, clock: Callable[[], float] = time.time):
         self.model = model
         self.created_at = created_at

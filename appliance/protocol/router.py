@@ -3,7 +3,8 @@
 Policies:
 - Every token's text goes through the reasoning splitter (when the API reports reasoning) and then, when the
   request has tools, through the tool-call parser of its tool format (the template's `<tool_call>` blocks,
-  tool_calls.py, or the generic JSON object of templates without tools, generic_tool_calls.py); so chat completions, the Ollama API and the Responses API
+  tool_calls.py, their XML `<function=...>` blocks, xml_tool_calls.py, or the generic JSON object of templates
+  without tools, generic_tool_calls.py); so chat completions, the Ollama API and the Responses API
   report the same reasoning / content / tool calls for the same tokens, stream and non-stream alike.
 - A token counts as a reasoning token when the splitter was or is inside a think block around it.
 - Tool calls come out two ways: whole when they complete (the Routed tuple; Ollama sends calls whole), and as
@@ -14,20 +15,24 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from appliance.protocol import ToolFormat
+from appliance.protocol import ToolFormat, ToolsArg
 from appliance.protocol.generic_tool_calls import GenericToolCallParser
 from appliance.protocol.reasoning import ReasoningSplitter
 from appliance.protocol.tool_calls import ToolCallParser, new_call_id
+from appliance.protocol.xml_tool_calls import XmlToolCallParser
 
 Routed = tuple[str, str, list[dict[str, Any]]]   # (reasoning, content, tool calls completed by this text)
 
 
 class OutputRouter:
-    def __init__(self, *, in_reasoning: bool = False, reasoning: bool = True, tools: bool = False,
+    def __init__(self, *, in_reasoning: bool = False, reasoning: bool = True, tools: ToolsArg = False,
                  tool_format: ToolFormat = "template", new_id: Callable[[], str] = new_call_id):
         self._splitter = ReasoningSplitter(in_reasoning) if reasoning else None
-        parser = GenericToolCallParser if tool_format == "generic" else ToolCallParser
-        self._tools = parser(new_id) if tools else None
+        self._tools: ToolCallParser | GenericToolCallParser | XmlToolCallParser | None = None
+        if tools and tool_format == "xml":              # the request's tools type the XML parameters' values
+            self._tools = XmlToolCallParser(new_id, tools)
+        elif tools:
+            self._tools = (GenericToolCallParser if tool_format == "generic" else ToolCallParser)(new_id)
         self.reasoning_parts: list[str] = []
         self.content_parts: list[str] = []
         self._reasoning_token_count = 0

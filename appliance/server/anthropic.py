@@ -71,7 +71,7 @@ class AnthropicApi:
         body = await ex.read_body()
         a, req, prompt, ids, constraint = await prep.prepare(lambda: self._prepare(loaded, body))
         out = AnthropicAssembler(prep.model_name, len(ids), a.max_tokens or 0,
-                                 in_reasoning=prompt_ends_in_reasoning(prompt), tools=bool(req.tools),
+                                 in_reasoning=prompt_ends_in_reasoning(prompt), tools=req.tools or False,
                                  tool_format=req.tool_format)
 
         def expanded(final_ids: list[int]) -> None:   # image tokens counted once the images are decoded

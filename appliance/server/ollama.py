@@ -237,7 +237,7 @@ class OllamaApi:
         in_reasoning = prompt_ends_in_reasoning(prompt)
         out: Assembler
         if parse is parse_ollama_chat:
-            out = OllamaChatAssembler(self.name, in_reasoning=in_reasoning, tools=bool(req.tools),
+            out = OllamaChatAssembler(self.name, in_reasoning=in_reasoning, tools=req.tools or False,
                                       tool_format=req.tool_format)
         else:
             out = OllamaGenerateAssembler(self.name, ids, in_reasoning=in_reasoning)

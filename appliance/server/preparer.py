@@ -17,6 +17,7 @@ Policies:
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar, cast
 
 import trio
@@ -81,11 +82,17 @@ class Preparer:
 
     # ---- worker thread ---------------------------------------------------------------------------------
     def fit_tools(self, loaded: LoadedModel, req: ChatRequest) -> ChatRequest:
-        """A ChatRequest as the model's template can take its tools: unchanged when the template renders tools,
-        else in the generic tool format (protocol/generic_tools.py)."""
-        if getattr(loaded.chat_template, "renders_tools", True):
+        """A ChatRequest as the model's template can take its tools: unchanged when the template renders tools in
+        Hermes JSON blocks, its calls parsed as XML when it writes them as Qwen3.5's `<function=...>` blocks (a
+        forced call constrained to that form), else in the generic tool format (protocol/generic_tools.py)."""
+        if not getattr(loaded.chat_template, "renders_tools", True):
+            return generic_tool_request(req)
+        if getattr(loaded.chat_template, "tool_format", "json") != "xml" or not req.tools:
             return req
-        return generic_tool_request(req)
+        fmt = req.output_format
+        if fmt is not None and fmt.kind == "tool_calls":
+            fmt = replace(fmt, kind="xml_tool_calls")
+        return replace(req, tool_format="xml", output_format=fmt)
 
     def compile_constraint(self, loaded: LoadedModel, req: ChatRequest, prompt: str,
                            param: str) -> CompiledGrammar | None:

@@ -43,7 +43,7 @@ class ResponsesApi:
         body = await ex.read_body()
         r, prompt, ids, constraint = await prep.prepare(lambda: self._prepare(loaded, body))
         out = ResponsesAssembler(prep.model_name, int(time.time()), r.echo,
-                                 in_reasoning=prompt_ends_in_reasoning(prompt), tools=bool(r.request.tools),
+                                 in_reasoning=prompt_ends_in_reasoning(prompt), tools=r.request.tools or False,
                                  tool_format=r.request.tool_format)
         await run_ticket(prep, ex, loaded, r.request, ids, out, body_size=len(body), constraint=constraint,
                          messages=r.request.messages)

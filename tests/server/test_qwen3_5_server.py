@@ -1,6 +1,7 @@
 """Qwen3.5 (hybrid Gated DeltaNet) through the CLI server with the official openai client: greedy answers equal
 transformers' on the same rendered prompt, streamed and not; a follow-up turn reuses the recurrent-state
-snapshot and still answers as transformers does, also after a cancelled stream; structured output, the Responses API and Ollama's chat work;
+snapshot (all of turn 1's prompt but its generation prompt; the share printed) and still answers as transformers
+does, also after a cancelled stream; structured output, the Responses API and Ollama's chat work;
 a streamed answer about two non-square images (the vision tower in the checkpoint) equals transformers' greedy
 answer, its image tokens in usage; a malformed image part is refused with 400."""
 from __future__ import annotations
@@ -50,7 +51,10 @@ def reference(tiny_qwen3_5):
     return greedy_answer(tiny_qwen3_5)
 
 
-def test_greedy_answers_and_a_follow_up_turn(client, reference):
+def test_greedy_answers_and_a_follow_up_turn(client, reference, tiny_qwen3_5):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_5)
     messages = [{"role": "system", "content": "You are a terse assistant."},
                 {"role": "user", "content": "Name a river in France."}]
     first = client.chat.completions.create(model="m", messages=messages, max_tokens=10, temperature=0,
@@ -63,8 +67,13 @@ def test_greedy_answers_and_a_follow_up_turn(client, reference):
                                                  extra_body=NO_THINK))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == reference(messages, 10)
-    cached = chunks[-1].usage.prompt_tokens_details.cached_tokens
-    assert first.usage.prompt_tokens - 10 < cached < chunks[-1].usage.prompt_tokens  # resumed from a snapshot
+    cached, prompt = chunks[-1].usage.prompt_tokens_details.cached_tokens, chunks[-1].usage.prompt_tokens
+    # resumed from the snapshot kept before turn 1's generation prompt (`<|im_start|>assistant\n<think>\n\n
+    # </think>\n\n`, which turn 2's rendering of the answer does not repeat): all of turn 1's prompt but those tokens
+    gen_prompt = len(tokenizer("<|im_start|>assistant\n<think>\n\n</think>\n\n", add_special_tokens=False)["input_ids"])
+    assert cached == first.usage.prompt_tokens - gen_prompt
+    print(f"\n2-turn kiosk chat: turn 2 reused {cached} of its {prompt} prompt tokens ({cached / prompt:.0%}); "
+          f"turn 1 had {first.usage.prompt_tokens}, its answer 10")
     again = client.chat.completions.create(model="m", messages=messages, max_tokens=10, temperature=0,
                                            extra_body=NO_THINK)
     assert again.choices[0].message.content == text

@@ -2,7 +2,8 @@
 
 Assertions are on engine-side counters (the worker's JobTrace, the engine's own chunk/step counters), not on
 wall time: "stopped within one chunk/step" means no prefill chunk and at most one decode step started after
-the cancel flag was set, and the engine polled the flag exactly once more (and stopped there).
+the cancel flag was set, and the engine polled the flag exactly once more (and stopped there). The disconnect
+during prefill and mid-decode run on the hybrid Qwen3.5 (Gated DeltaNet: recurrent state, chunk snapshots) too.
 """
 from __future__ import annotations
 
@@ -19,6 +20,17 @@ PREFILL_CHUNK = 16
 @pytest.fixture(scope="module")
 def server(tiny_qwen3_tied):
     with LiveServer(tiny_qwen3_tied, queue=2, prefill_chunk=PREFILL_CHUNK, queue_keepalive_s=0.01) as s:
+        yield s
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
+def any_server(request):
+    """The Qwen3 server above, or one serving the tiny hybrid Qwen3.5 with the same settings."""
+    if request.param == "qwen3":
+        yield request.getfixturevalue("server")
+        return
+    with LiveServer(request.getfixturevalue("tiny_qwen3_5"), queue=2, prefill_chunk=PREFILL_CHUNK,
+                    queue_keepalive_s=0.01) as s:
         yield s
 
 
@@ -47,7 +59,8 @@ def assert_served(client, r) -> list[dict]:
     return r.json_events()
 
 
-def test_disconnect_during_prefill_stops_between_chunks(server):
+def test_disconnect_during_prefill_stops_between_chunks(any_server):
+    server = any_server
     engine = server.worker.loaded.engine
     n_before = len(server.traces())
     chunks_before = engine.prefill_chunks_run
@@ -73,7 +86,8 @@ def test_disconnect_during_prefill_stops_between_chunks(server):
     assert t_b.finish_reason == "length" and t_b.started >= t.finished
 
 
-def test_disconnect_mid_decode_stops_within_one_step(server):
+def test_disconnect_mid_decode_stops_within_one_step(any_server):
+    server = any_server
     engine = server.worker.loaded.engine
     n_before = len(server.traces())
     steps_before = engine.decode_steps_run

@@ -598,3 +598,38 @@ def test_a_scripted_model_thinks_then_answers(browser, scripted_qwen3):
         assert answer.locator(".md").inner_text() == ANSWER.strip() and answer.locator("details.think").is_hidden()
         save_screenshot(p.page, "scripted-model-1280x800")
         p.close()
+
+
+# ---- Qwen3.5 -----------------------------------------------------------------------------------------------------
+
+def test_qwen3_5_answers_stream_and_the_second_turn_reuses_the_first(browser, tiny_qwen3_5):
+    """The page served by the hybrid Qwen3.5 (Gated DeltaNet): the answer arrives event by event as the server
+    sends it, and the follow-up turn resumes from the recurrent-state snapshot (the status says how much of its
+    prompt was reused)."""
+    with LiveServer(tiny_qwen3_5, prefill_chunk=16) as server:
+        p = Page(browser, server.url + "/", amend={"max_tokens": 24, "ignore_eos": True, "temperature": 0})
+        p.wait_ready()
+        assert p.inner_text("#model") == server.api_cfg.model_name
+        p.say("Name a river in France.")
+        answer = p.last_answer()
+        sent = p.bodies[-1]
+        c = RawClient(server.port)                   # the same request on a raw socket: the events the server sends
+        c.send(request_bytes("POST", "/v1/chat/completions", {**sent, **p.amend}))
+        r = c.read_events(c.read_head())
+        c.close()
+        deltas = [e["choices"][0]["delta"].get("content") for e in r.json_events() if e.get("choices")]
+        deltas = [d for d in deltas if d]
+        expected = "".join(deltas)
+        assert len(deltas) >= 12
+        assert int(answer.get_attribute("data-events")) == len(deltas)
+        assert answer.locator(".md").inner_html() == p.evaluate("s => Markdown.render(s)", expected)
+        assert "24 tokens" in answer.locator(".status").inner_text()
+
+        p.say("And a mountain?")
+        second = p.last_answer()
+        assert p.bodies[-1]["messages"][1] == {"role": "assistant", "content": expected}
+        status = second.locator(".status").inner_text()
+        prompt_n, reused = (int(s.split()[1 if s.startswith("prompt") else 0]) for s in status.split(" · ")
+                            if s.startswith("prompt") or s.endswith("reused"))
+        assert 0 < reused < prompt_n, status
+        p.close()
