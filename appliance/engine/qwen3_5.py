@@ -298,7 +298,15 @@ def gated_attention(c: Qwen35Config, a: GatedAttention, x: np.ndarray, cache: Hy
     q = np.concatenate([apply_rope(q[..., :rd], cos, sin), q[..., rd:]], axis=-1).astype(np.float32)
     k = np.concatenate([apply_rope(k[..., :rd], cos, sin), k[..., rd:]], axis=-1).astype(np.float32)
     keys, values = cache.update(layer, k, v)  # (KV, S, hd)
-    out = grouped_attention(np.ascontiguousarray(q), keys.astype(np.float32), values.astype(np.float32))
+    keys, values = keys.astype(np.float32), values.astype(np.float32)
+    if T > 1 and getattr(cache, "keep_steps", False):
+        # a verify forward: each position as decode runs it (the same BLAS shapes and sums; a batched, masked row
+        # rounds differently, and a seeded sample near a boundary would differ from plain decoding's)
+        S = keys.shape[1]
+        out = np.concatenate([grouped_attention(np.ascontiguousarray(q[:, t:t + 1]), keys[:, :S - T + t + 1],
+                                                values[:, :S - T + t + 1]) for t in range(T)], axis=1)  # (H, T, hd)
+    else:
+        out = grouped_attention(np.ascontiguousarray(q), keys, values)  # (H, T, hd)
     out = out.transpose(1, 0, 2).reshape(T, H * hd) * (1.0 / (1.0 + np.exp(-gate)))  # (T, H*hd)
     return a.o(out.astype(np.float32))  # (T, hidden)
 
