@@ -114,6 +114,7 @@ def test_logprobs_match_transformers(checkpoint, delta):
     if delta == "native":
         ops = native_delta()
         assert ops is not None, "the native library is not built"
+        assert ops.conv.__module__ == "appliance.native.kernels"  # the conv1d in C too
         m.delta = ops
     else:
         assert m.delta is NUMPY_DELTA
