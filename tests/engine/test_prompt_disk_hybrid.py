@@ -6,6 +6,7 @@ states do not fit this model, or a format-1 file under this model's identity is 
 The restart through the real CLI is tests/server/test_server_prompt_cache.py."""
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import struct
@@ -124,3 +125,27 @@ def test_a_dense_models_file_is_not_read_as_a_hybrid_ones(tiny_qwen3_tied, tiny_
     with caplog.at_level(logging.WARNING, logger="appliance.prompt_cache"):
         lm = load(tiny_qwen3_5, tmp_path)
     assert lm.engine.cache_tokens == [] and "format 1" in caplog.text, caplog.text
+
+
+def test_a_detached_write_copies_the_kv_it_has_not_written_never_the_states():
+    """The recurrent states a write carries are the cache's snapshots (never written in place): detaching copies
+    the keys/values not written yet and keeps the states as they are; the bytes are the KV's then the states'."""
+    from appliance.engine.prefix_write import PrefixWrite
+    rng = np.random.default_rng(3)
+    kv = [rng.standard_normal((2, 16, 4)).astype(np.float16) for _ in range(4)]  # (n_kv, max_len, hd)
+    tail = [rng.standard_normal((3, 10)).astype(np.float32), np.zeros((0, 0, 0), np.float32)]
+    job = PrefixWrite(kv, 9, tail)
+    want = [a[h, :9].tobytes() for a in kv for h in range(2)] + [t.tobytes() for t in tail]
+    job.detach()
+    assert job.chunks[-2] is tail[0] and job.chunks[-1] is tail[1]
+    assert not any(np.shares_memory(c, a) for c in job.chunks[:-2] for a in kv)
+    for a in kv:
+        a[:] = 0  # the engine overwrites the cache
+    parts = []
+
+    class File:
+        def write(self, b):
+            parts.append(bytes(b))
+
+    job.write_to(File(), hashlib.blake2b())
+    assert parts == want
