@@ -26,6 +26,6 @@ print("aarch64 kernels under qemu: best SIMD level", k.simd_max(), k.simd_name()
 # test_native_fuzz_invalid's kq_forward case bends a whole decoder's specs: the driver does not serve kq_forward
 # (a model's layers, weights and caches; the fuzzed kernels it calls are served one by one)
 "$PY" -m pytest -q -rA -p no:cacheprovider tests/native/test_native_kernels.py tests/native/test_native_fuzz.py \
-    tests/native/test_native_fuzz_invalid.py \
+    tests/native/test_native_fuzz_invalid.py tests/native/test_native_delta.py \
     --deselect tests/native/test_native_fuzz_invalid.py::test_the_c_side_refuses_a_weight_whose_bytes_do_not_match_its_shape \
     "${@:2}"

@@ -16,8 +16,10 @@ Policies:
   active sequence. A hybrid model's cache (recurrent states, `cache.exact`) is kept only where a state exists:
   `cache.reusable(n)` cuts the shared prefix back to such a position, and its copies carry their states. Its
   prefill also ends a chunk before the prompt's last turn start (the next turn repeats everything before the
-  generation prompt) and before the last token (a retry of the same prompt runs one token). A verified draft
-  run keeps a state per position there (HybridCache.keep_steps), so its rejected tail rolls back as a KV does.
+  generation prompt), before the last token (a retry of the same prompt runs one token) and where the prompt
+  leaves the previous sequence (a shared system prompt: the next request, or the disk file, resumes there). A
+  verified draft run keeps a state per position there (HybridCache.keep_steps), so its rejected tail rolls back
+  as a KV does.
 - A request's constraint (a grammar) masks every sampling step and ends the generation as soon as the grammar
   is complete.
 """
@@ -141,6 +143,7 @@ class Engine:
         self.store = PrefixStore(cache_bytes)  # copies of earlier sequences (the active one counts too)
         self.disk: PromptDiskCache | None = None  # with --prompt-cache-dir
         self._disk_pending: tuple[list[int], tuple[ImageKey, ...]] | None = None
+        self._shared = 0  # positions the prompt being prefilled shares with the sequence the cache held before it
         # engine-side counters, for tests and /metrics
         self.prefill_chunks_run = 0
         self.decode_steps_run = 0
@@ -154,10 +157,12 @@ class Engine:
         kernels' row rearrangement, page faults) happens at load, not in the first request's latency. The
         token goes after the active sequence and is taken back: a prefix adopted from the disk stays active."""
         n = len(self.cache_tokens)
-        # no room after it, or state that truncate drops (image runs; recurrent states have no way back from it)
-        if n + 1 > self.cache.max_len or self.cache_images or (n and self._exact):
+        # no room after it, or state that truncate drops (image runs)
+        if n + 1 > self.cache.max_len or self.cache_images:
             self.drop_sequence()
             n = 0
+        if n and self._exact:
+            cast(Any, self.cache).snapshot()  # recurrent states: the way back to n
         token = min(self.eos_ids) if self.eos_ids else 0
         self.model.forward(np.asarray([token], dtype=np.int64), self.cache, "last")
         self.cache.truncate(n)
@@ -221,13 +226,15 @@ class Engine:
     def begin_sequence(self, ids: list[int], images: tuple[ImageKey, ...]) -> int:
         """Make the cache hold the longest reusable prefix of `ids` (never all of it); return its length."""
         if not self.reuse_prefix:
+            self._shared = 0
             if self.disk is not None:
                 self.disk.before_overwrite(0)
             self.drop_sequence()
             self.cache_images = images
             return 0
         limit = len(ids) - 1
-        n_active = self._reusable(min(common_prefix(self.cache_tokens, self.cache_images, ids, images), limit))
+        self._shared = min(common_prefix(self.cache_tokens, self.cache_images, ids, images), limit)
+        n_active = self._reusable(self._shared)
         entry, n_saved = self.store.best(ids, images, limit)
         n_saved = min(n_saved, limit)
         stashed = None
@@ -266,8 +273,10 @@ class Engine:
     def _state_points(self, ids: list[int]) -> set[int]:
         """Where a recurrent cache should keep a state inside this prompt remainder (relative positions): before
         its last token (a retry of the same prompt) and before its last turn start (`<|im_start|>`: the
-        generation prompt, which the next turn's rendering of the answer does not repeat)."""
-        points = {len(ids) - 1}
+        generation prompt, which the next turn's rendering of the answer does not repeat), and where it leaves the
+        previous sequence (a system prompt both share: the next request with it, or the disk prompt cache's file
+        of it, resumes there)."""
+        points = {len(ids) - 1, self._shared - len(self.cache_tokens)}
         if self.turn_start is not None and self.turn_start in ids:
             points.add(len(ids) - 1 - ids[::-1].index(self.turn_start))
         return {p for p in points if 0 < p < len(ids)}

@@ -86,7 +86,7 @@ def choose_runner(model: Qwen3Model) -> None:
 
 
 def native_delta() -> DeltaOps | None:
-    """The delta rule in C: the token loop for decode and, measured faster than the scalar chunked kernel
+    """The delta rule and its causal conv1d in C: the token loop for decode and, measured faster than the scalar chunked kernel
     (16 heads of 128 x 128, 256 tokens: ~100 ms vs ~230 ms for chunks of 64), for prefill too; None without the
     library. The numpy path prefills with the chunked form (matrix products)."""
     from appliance.native import kernels
@@ -95,4 +95,4 @@ def native_delta() -> DeltaOps | None:
 
     def prefill(q, k, v, g, beta, state, chunk):
         return kernels.gated_delta_step(q, k, v, g, beta, state)
-    return DeltaOps(kernels.gated_delta_step, prefill)
+    return DeltaOps(kernels.gated_delta_step, prefill, kernels.causal_conv1d)

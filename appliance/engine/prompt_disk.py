@@ -16,6 +16,11 @@ Policies:
   directory fsynced: a crash leaves the old file or the new one, never half of one.
 - Layout: MAGIC, a little-endian u32 header length, a JSON header (identity, tokens, shape, dtype, the payload's
   BLAKE2b digest), then the keys of every layer and the values of every layer, each (n_kv, n_tokens, hd).
+  A hybrid model's file (Qwen3.5, recurrent_cache.HybridCache) is format 2 (MAGIC_STATES): the KV is its
+  full-attention layers' and the header also lists `states`, the shapes of the float32 arrays that follow the
+  KV (each linear layer's conv state then its delta state, in layer order: the recurrent states at the prefix's
+  end). Such a prefix is saved only where the cache holds a state (cache.reusable), and a file serves exactly
+  its own length (a state cannot be cut), so a longer prefix on disk does not stand for a shorter one.
 - At load only regular files named *.kvc are opened (a FIFO, device, directory or dangling link is skipped
   unread), and never blocking. The header is checked from the file's first bytes (magic, header, identity,
   shape, the file's length) before the payload is read, once, into the arrays kept, then its digest. A file
@@ -38,9 +43,12 @@ import time
 import numpy as np
 
 from .prefix_cache import CachedSequence, ImageKey, common_prefix
+from .prefix_write import PrefixWrite
+from .recurrent_cache import RecurrentState
 
 log = logging.getLogger("appliance.prompt_cache")
-MAGIC = b"KESTREL-KV\x00\x01"
+MAGIC = b"KESTREL-KV\x00\x01"          # format 1: keys and values
+MAGIC_STATES = b"KESTREL-KV\x00\x02"   # format 2: keys and values, then recurrent states (hybrid models)
 SUFFIX = ".kvc"
 MAX_HEADER = 16 << 20       # bytes of JSON header a file may claim (a 256k-token prefix needs ~2 MB)
 WRITE_BUDGET = 2 << 30      # default bytes written per rolling hour
@@ -49,8 +57,9 @@ READ_BLOCK = 16 << 20
 WRITER_NICE = 19            # the writer thread's CPU priority (the lowest)
 
 
-def model_identity(path: str, shape: tuple[int, int, int], dtype) -> str:
-    """A digest of what makes keys/values valid: the model's files (name, size, mtime) and the cache layout."""
+def model_identity(path: str, shape: tuple[int, int, int], dtype, states: tuple[tuple[int, ...], ...] = ()) -> str:
+    """A digest of what makes keys/values valid: the model's files (name, size, mtime) and the cache layout
+    (with a hybrid model's recurrent state shapes)."""
     path = os.path.abspath(path)
     files = [path] if os.path.isfile(path) else sorted(
         os.path.join(path, n) for n in os.listdir(path) if os.path.isfile(os.path.join(path, n)))
@@ -59,6 +68,8 @@ def model_identity(path: str, shape: tuple[int, int, int], dtype) -> str:
         st = os.stat(f)
         h.update(f"{os.path.basename(f)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     h.update(f"{shape}\0{np.dtype(dtype).str}".encode())
+    if states:
+        h.update(f"\0states {[list(s) for s in states]}".encode())
     return h.hexdigest()
 
 
@@ -81,11 +92,13 @@ def open_directory(directory: str) -> None:
 class PromptDiskCache:
     def __init__(self, directory: str, identity: str, shape: tuple[int, int, int], dtype,
                  min_tokens: int = 32, max_files: int = 8, write_budget: int = WRITE_BUDGET,
-                 clock=time.monotonic):
+                 clock=time.monotonic, states: tuple[tuple[int, ...], ...] = ()):
         self.dir = directory
         self.identity = identity
-        self.shape = tuple(shape)  # (n_layers, n_kv, hd)
+        self.shape = tuple(shape)  # (n_layers, n_kv, hd): the KV layers (a hybrid model's full-attention ones)
         self.dtype = np.dtype(dtype)
+        self.states = tuple(tuple(int(d) for d in s) for s in states)  # float32 state arrays (conv, ssm per layer)
+        self.state_nbytes = sum(4 * int(np.prod(s)) for s in self.states)
         self.min_tokens = min_tokens
         self.max_files = max_files
         self.write_budget = write_budget
@@ -168,8 +181,14 @@ class PromptDiskCache:
                 raise ValueError(_kind(st.st_mode))
             start = len(MAGIC) + 4
             first = _read_exactly(f, start)
-            if len(first) < start or not first.startswith(MAGIC):
+            if len(first) < start or not first.startswith(MAGIC[:-1]):
                 raise ValueError("not a prompt cache file")
+            version, want = first[len(MAGIC) - 1], (MAGIC_STATES if self.states else MAGIC)[-1]
+            if version not in (MAGIC[-1], MAGIC_STATES[-1]):
+                raise ValueError(f"unknown format version {version}")
+            if version != want:
+                raise ValueError(f"format {version} ({'with' if version == MAGIC_STATES[-1] else 'without'} "
+                                 f"recurrent states); this model's files are format {want}")
             (n_head,) = struct.unpack_from("<I", first, len(MAGIC))
             if n_head > MAX_HEADER:
                 raise ValueError(f"header of {n_head} bytes claimed (at most {MAX_HEADER})")
@@ -182,21 +201,31 @@ class PromptDiskCache:
             L, n_kv, hd = self.shape
             if tuple(head["shape"]) != self.shape or np.dtype(head["dtype"]) != self.dtype or not tokens:
                 raise ValueError("unexpected shape or element type")
+            if self.states and [tuple(s) for s in head["states"]] != list(self.states):
+                raise ValueError("unexpected recurrent state shapes")
             arrays = np.empty((2 * L, n_kv, len(tokens), hd), self.dtype)
-            have = st.st_size - start - n_head
-            if have != arrays.nbytes:
-                raise ValueError(f"truncated payload ({have} of {arrays.nbytes} bytes)" if have < arrays.nbytes
-                                 else f"{have - arrays.nbytes} bytes past the payload")
-            buf = arrays.reshape(-1).view(np.uint8).data  # a memoryview of the bytes
+            flat = np.empty(self.state_nbytes // 4, np.float32)  # every recurrent state array, in order
+            size, have = arrays.nbytes + flat.nbytes, st.st_size - start - n_head
+            if have != size:
+                raise ValueError(f"truncated payload ({have} of {size} bytes)" if have < size
+                                 else f"{have - size} bytes past the payload")
+            digest = hashlib.blake2b(digest_size=16)
             got = 0
-            while got < len(buf):
-                n = f.readinto(buf[got:got + READ_BLOCK])
-                if not n:
-                    raise ValueError(f"truncated payload ({got} of {arrays.nbytes} bytes)")
-                got += n
-        if hashlib.blake2b(buf, digest_size=16).hexdigest() != head["digest"]:
+            for buf in (arrays.reshape(-1).view(np.uint8).data, flat.view(np.uint8).data):  # memoryviews
+                _read_into(f, buf, got, size)
+                digest.update(buf)
+                got += len(buf)
+        if digest.hexdigest() != head["digest"]:
             raise ValueError("payload digest mismatch (corrupted)")
-        return CachedSequence(tokens, (), list(arrays[:L]), list(arrays[L:]))  # views of one (2L, n_kv, n, hd)
+        k, v = list(arrays[:L]), list(arrays[L:])  # views of one (2L, n_kv, n, hd)
+        if not self.states:
+            return CachedSequence(tokens, (), k, v)
+        parts, at = [], 0
+        for shape in self.states:
+            parts.append(flat[at:at + int(np.prod(shape))].reshape(shape))
+            at += parts[-1].size
+        states = [RecurrentState(c, s) for c, s in zip(parts[0::2], parts[1::2])]
+        return CachedSequence(tokens, (), k, v, {len(tokens): states})  # usable at its own length only
 
     # ---- writing ---------------------------------------------------------------------------------------
     def observe(self, prompt: list[int], images: tuple[ImageKey, ...], cache, cache_tokens: list[int]) -> None:
@@ -209,18 +238,24 @@ class PromptDiskCache:
         n = common_prefix(last, last_images, prompt, images)
         n = min([n] + [k[0] for k in images])  # text only: image pixels are not in the key
         n = min(n, common_prefix(cache_tokens, (), prompt, ()))  # what the cache really holds
+        if self.states:
+            n = cache.reusable(n)  # a hybrid cache: where it holds the recurrent states
         if n < self.min_tokens:
             return
         tokens = list(prompt[:n])
         with self._lock:
-            if any(len(s) >= n and s[:n] == tokens for s in self.saved):
+            if any(s == tokens if self.states else len(s) >= n and s[:n] == tokens for s in self.saved):
                 return
             if self._job is not None and self._writer is not None and self._writer.is_alive():
                 log.debug("prompt cache: a write is in flight; not saving %d tokens", n)
                 return
-            if not self._spend(n * self.bytes_per_token):
+            if not self._spend(n * self.bytes_per_token + self.state_nbytes):
                 return
-            self._job = PrefixWrite([*cache.k, *cache.v], n)
+            if self.states:  # the states are never written in place (HybridCache.states_at): no copy to detach
+                tail = [a for st in cache.states_at(n) for a in (st.conv, st.ssm)]
+                self._job = PrefixWrite([*cache.kv.k, *cache.kv.v], n, tail)
+            else:
+                self._job = PrefixWrite([*cache.k, *cache.v], n)
             self._writer = threading.Thread(target=self._write_logged, args=(tokens, self._job),
                                             name="prompt-cache-writer", daemon=True)
             self._writer.start()
@@ -255,7 +290,7 @@ class PromptDiskCache:
             w.join(timeout)
         return w is None or not w.is_alive()
 
-    def _write_logged(self, tokens: list[int], job: "PrefixWrite") -> None:
+    def _write_logged(self, tokens: list[int], job: PrefixWrite) -> None:
         """The writer thread's body: one file, then the bookkeeping of what is on disk."""
         try:  # Linux: the nice value is per thread; the engine's CPU comes first
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
@@ -272,7 +307,7 @@ class PromptDiskCache:
                 if self._job is job:
                     self._job = None
         with self._lock:
-            superseded = [s for s in self.saved if len(s) <= len(tokens) and tokens[:len(s)] == s]
+            superseded = [] if self.states else [s for s in self.saved if len(s) <= len(tokens) and tokens[:len(s)] == s]
             self.saved = [s for s in self.saved if s not in superseded] + [tokens]
             while len(self.saved) > self.max_files:  # oldest first
                 superseded.append(self.saved.pop(0))
@@ -286,13 +321,16 @@ class PromptDiskCache:
                 except OSError as e:
                     log.warning("prompt cache: cannot remove %s: %s", old, e)
 
-    def _write(self, tokens: list[int], job: "PrefixWrite") -> str:
+    def _write(self, tokens: list[int], job: PrefixWrite) -> str:
         """Write one file atomically (temporary name, fsync, rename, directory fsync); return its path. The
         header goes first with a placeholder digest and is rewritten in place once the payload is through."""
         def header(digest: str) -> bytes:
-            head = json.dumps({"identity": self.identity, "tokens": tokens, "shape": list(self.shape),
-                               "dtype": self.dtype.str, "digest": digest}, separators=(",", ":")).encode()
-            return MAGIC + struct.pack("<I", len(head)) + head
+            fields = {"identity": self.identity, "tokens": tokens, "shape": list(self.shape),
+                      "dtype": self.dtype.str, "digest": digest}
+            if self.states:
+                fields["states"] = [list(s) for s in self.states]
+            head = json.dumps(fields, separators=(",", ":")).encode()
+            return (MAGIC_STATES if self.states else MAGIC) + struct.pack("<I", len(head)) + head
 
         path = self._name(tokens)
         tmp = f"{path}.tmp{os.getpid()}"
@@ -318,50 +356,14 @@ class PromptDiskCache:
         return path
 
 
-class PrefixWrite:
-    """The first n positions of a cache's per-layer arrays (keys of every layer, then values), written chunk by
-    chunk (one layer's keys or values of one KV head: contiguous in the cache) straight from the cache. The
-    engine calls detach() before it overwrites any of them: the chunks not written yet come from its prefix
-    store's copy of the sequence, or are copied then. A request that only extends the prefix (the usual next
-    one) costs no copy at all."""
-
-    def __init__(self, arrays: list[np.ndarray], n: int):
-        self.n = n
-        views = self._views(arrays)
-        self.chunks: list[np.ndarray | None] = list(views)  # None once written (a copy is freed then)
-        self.nbytes = sum(c.nbytes for c in views)
-        self.detached = False
-        self._done = 0
-        self._lock = threading.RLock()  # held while a chunk is written and by detach(); reentrant so a
-        # detach from inside a chunk's write (as a test makes one) cannot deadlock
-
-    def _views(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
-        return [a[h, :self.n] for a in arrays for h in range(a.shape[0])]
-
-    def detach(self, copy: list[np.ndarray] | None = None) -> None:
-        """Stop reading the cache: go on from `copy` (arrays holding the same first n positions) or from a
-        copy of the chunks not written yet."""
-        with self._lock:
-            if not self.detached:
-                rest = self._views(copy)[self._done:] if copy is not None else \
-                    [c.copy() for c in self.chunks[self._done:] if c is not None]
-                self.chunks[self._done:] = rest
-                self.detached = True
-
-    def finish(self) -> None:
-        """Written (or failed): nothing of the cache is needed any more."""
-        with self._lock:
-            self.chunks = []
-            self.detached = True
-
-    def write_to(self, f, digest) -> None:
-        for i in range(len(self.chunks)):
-            with self._lock:
-                chunk = np.ascontiguousarray(self.chunks[i]).data.cast("B")
-                digest.update(chunk)
-                f.write(chunk)
-                self.chunks[i] = None  # a copy is freed as soon as it is written
-                self._done = i + 1
+def _read_into(f, buf: memoryview, got: int, size: int) -> None:
+    """Fill buf from f (got: payload bytes read before it, size: the whole payload's, for the message)."""
+    at = 0
+    while at < len(buf):
+        n = f.readinto(buf[at:at + READ_BLOCK])
+        if not n:
+            raise ValueError(f"truncated payload ({got + at} of {size} bytes)")
+        at += n
 
 
 def _read_exactly(f, n: int) -> bytes:

@@ -7,7 +7,7 @@ used as given: the checkpoint's zero-centred RMSNorm weights (applied as 1 + w) 
 gated output norm's are not. Text positions are the same on all three M-RoPE axes, so the full-attention layers
 rotate the first `rotary_dim` dims of each head with plain RoPE. Prefill runs the chunked delta rule
 (`delta_chunk` tokens a chunk), decode the one-token recurrence: native/delta_numpy.py, or its C twins
-(src/delta.c) when the library is there (`delta`, chosen at load).
+(src/delta.c) when the library is there (`delta`, chosen at load), the causal conv1d before it likewise.
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ class DeltaOps:
     layer_runner)."""
     step: Callable  # (q, k, v, g, beta, state) -> out, the token loop (decode)
     prefill: Callable  # (q, k, v, g, beta, state, chunk) -> out
+    conv: Callable = causal_conv1d  # (x, conv state, kernel) -> SiLU(causal depthwise conv), state updated
 
 
 NUMPY_DELTA = DeltaOps(gated_delta_step, gated_delta_chunked)
@@ -261,7 +262,7 @@ def linear_attention(c: Qwen35Config, m: GatedDeltaNet, x: np.ndarray, state: Re
     nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
     qkv = m.qkv(x)  # (T, conv_dim)
     conv_in = np.concatenate([state.conv, qkv], axis=0) if steps is not None else None  # (K-1+T, conv_dim)
-    mixed = causal_conv1d(qkv, state.conv, m.conv)  # (T, conv_dim)
+    mixed = ops.conv(qkv, state.conv, m.conv)  # (T, conv_dim)
     q = mixed[:, :c.key_dim].reshape(T, nk, dk)
     k = mixed[:, c.key_dim:2 * c.key_dim].reshape(T, nk, dk)
     v = np.ascontiguousarray(mixed[:, 2 * c.key_dim:].reshape(T, nv, dv))
@@ -298,7 +299,15 @@ def gated_attention(c: Qwen35Config, a: GatedAttention, x: np.ndarray, cache: Hy
     q = np.concatenate([apply_rope(q[..., :rd], cos, sin), q[..., rd:]], axis=-1).astype(np.float32)
     k = np.concatenate([apply_rope(k[..., :rd], cos, sin), k[..., rd:]], axis=-1).astype(np.float32)
     keys, values = cache.update(layer, k, v)  # (KV, S, hd)
-    out = grouped_attention(np.ascontiguousarray(q), keys.astype(np.float32), values.astype(np.float32))
+    keys, values = keys.astype(np.float32), values.astype(np.float32)
+    if T > 1 and getattr(cache, "keep_steps", False):
+        # a verify forward: each position as decode runs it (the same BLAS shapes and sums; a batched, masked row
+        # rounds differently, and a seeded sample near a boundary would differ from plain decoding's)
+        S = keys.shape[1]
+        out = np.concatenate([grouped_attention(np.ascontiguousarray(q[:, t:t + 1]), keys[:, :S - T + t + 1],
+                                                values[:, :S - T + t + 1]) for t in range(T)], axis=1)  # (H, T, hd)
+    else:
+        out = grouped_attention(np.ascontiguousarray(q), keys, values)  # (H, T, hd)
     out = out.transpose(1, 0, 2).reshape(T, H * hd) * (1.0 / (1.0 + np.exp(-gate)))  # (T, H*hd)
     return a.o(out.astype(np.float32))  # (T, hidden)
 

@@ -159,6 +159,10 @@ class HybridCache:
         """A verified run's rejected tail (KVCache.rollback): the same cut, at a step or snapshot position."""
         self.truncate(n)
 
+    def states_at(self, n: int) -> States:
+        """The states at position n (the length: a copy; else a kept snapshot or step, never written in place)."""
+        return self._states() if n == self.length else self._state_at(n)
+
     def _state_at(self, n: int) -> States:
         if n in self.steps:
             return self.steps[n]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ctypes
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
-ABI_VERSION = 7
+ABI_VERSION = 8
 LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
 VECTORS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "q_bias", "k_bias", "v_bias")
 

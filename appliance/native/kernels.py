@@ -45,6 +45,7 @@ _SIGNATURES = {
     "kq_attention": (_I, [_P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I, _P]),
     "kq_gated_delta_step": (_I, [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P]),
     "kq_gated_delta_chunked": (_I, [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _I64, _P]),
+    "kq_causal_conv1d": (_I, [_P, _P, _P, _I64, _I64, _I64, _P]),
     "kq_layer_norm": (None, [_P, _P, _P, _I64, _I64, ctypes.c_float, _P]),
     "kq_gelu_tanh": (None, [_P, _I64, _P]),
     "kq_self_attention": (_I, [_P, _I64, _I64, _I64, _P, _P, _P]),
@@ -307,6 +308,21 @@ def gated_delta_chunked(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarr
     out = np.empty_like(v)
     _check(_lib.kq_gated_delta_chunked(_ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), T, nh, dk, dv, _ptr(state),
                                        chunk, _ptr(out)), "gated_delta_chunked")
+    return out
+
+
+def causal_conv1d(x: np.ndarray, state: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """delta_numpy.causal_conv1d in C: x (T, C), state (K-1, C) replaced by the last K-1 inputs, w (C, K) ->
+    SiLU(conv) (T, C)."""
+    x, w = _f32(x), _f32(w)
+    (T, C), K = x.shape, w.shape[1]
+    if w.shape[0] != C or K < 1:
+        raise ValueError(f"causal_conv1d: kernel {w.shape} does not fit inputs of {C} channels")
+    if not (isinstance(state, np.ndarray) and state.dtype == np.float32 and state.flags.c_contiguous
+            and state.flags.writeable and state.shape == (K - 1, C)):
+        raise ValueError(f"causal_conv1d: state must be a writable C-contiguous float32 ({K - 1}, {C}) array")
+    out = np.empty_like(x)
+    _check(_lib.kq_causal_conv1d(_ptr(x), _ptr(state), _ptr(w), T, C, K, _ptr(out)), "causal_conv1d")
     return out
 
 

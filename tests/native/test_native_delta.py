@@ -1,11 +1,16 @@
 """The C delta-rule kernels (src/delta.c) against their numpy twins (native/delta_numpy.py): fuzzed shapes,
-chunk sizes and decays; the chunked C form equals the C token loop; bad operands are refused, never read."""
+chunk sizes and decays; the chunked C form equals the C token loop; the causal conv1d (one thread, no pool) with
+its carried state, for fewer new rows than the state holds too; bad operands are refused, never read.
+KESTREL_KERNEL_DRIVER runs them through the test driver (scripts/qemu_aarch64_kernels.sh: the aarch64 build)."""
 import os
 
 import numpy as np
 import pytest
 
-from appliance.native import delta_numpy, kernels
+from appliance.native import delta_numpy
+from tests.support.kernel_driver import kernels_under_test
+
+kernels = kernels_under_test()
 
 if os.environ.get("KESTREL_NATIVE") == "0":
     pytest.skip("native kernels disabled by KESTREL_NATIVE=0", allow_module_level=True)
@@ -67,3 +72,44 @@ def test_bad_operands_are_refused():
         kernels.gated_delta_chunked(q, k, v, g, beta, s[:, :, :2], 4)
     with pytest.raises(ValueError, match="chunk"):
         kernels.gated_delta_chunked(q, k, v, g, beta, s, 0)
+
+
+def test_fuzzed_causal_conv1d_matches_the_twin():
+    """The pre-activation sums run in numpy's order (bit-exact), so the output differs by expf's ulp at most and
+    the new state (a copy of inputs) is exact; a sequence fed in pieces equals it fed at once."""
+    rng = np.random.default_rng(27)
+    sizes = [(int(rng.integers(1, 40)), int(rng.integers(1, 70)), int(rng.integers(1, 6))) for _ in range(80)]
+    # Qwen3.5's width (K 4, read in place) at a 2B layer's channels; the other widths go by blocks of 4096 / K
+    # channels (several here), and a kernel wider than a block one channel at a time
+    for T, C, K in sizes + [(3, 6144, 4), (5, 3000, 3), (2, 2, 5000)]:
+        x = (rng.standard_normal((T, C)) * rng.choice([0.1, 1.0, 30.0])).astype(np.float32)
+        w = rng.standard_normal((C, K)).astype(np.float32)
+        s0 = rng.standard_normal((K - 1, C)).astype(np.float32)
+        s_np, s_c = s0.copy(), s0.copy()
+        with np.errstate(over="ignore"):  # exp(-out) of a very negative sum: inf, and SiLU -0.0 (expf's too)
+            want = delta_numpy.causal_conv1d(x, s_np, w)
+        got = kernels.causal_conv1d(x, s_c, w)
+        assert np.array_equal(s_c, s_np), (T, C, K)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=str((T, C, K)))
+        cut = int(rng.integers(0, T + 1))
+        s_parts = s0.copy()
+        parts = [kernels.causal_conv1d(x[:cut], s_parts, w) if cut else np.zeros((0, C), np.float32),
+                 kernels.causal_conv1d(x[cut:], s_parts, w) if cut < T else np.zeros((0, C), np.float32)]
+        assert np.array_equal(np.concatenate(parts), got) and np.array_equal(s_parts, s_np), (T, C, K, cut)
+
+
+def test_causal_conv1d_refuses_bad_operands():
+    x, w, s = np.ones((3, 5), np.float32), np.ones((5, 4), np.float32), np.zeros((3, 5), np.float32)
+    with pytest.raises(ValueError, match="kernel"):
+        kernels.causal_conv1d(x, s, w[:4])
+    with pytest.raises(ValueError, match="kernel"):
+        kernels.causal_conv1d(x, np.zeros((0, 5), np.float32), w[:, :0])  # K = 0
+    for bad in (s.astype(np.float64), s[:2], s.T.copy(), np.asfortranarray(np.zeros((3, 5), np.float32))[:, ::1][::-1]):
+        with pytest.raises(ValueError, match="state"):
+            kernels.causal_conv1d(x, bad, w)
+    frozen = s.copy()
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="state"):
+        kernels.causal_conv1d(x, frozen, w)
+    assert kernels._lib.kq_causal_conv1d(None, None, None, -1, 5, 4, None) == -1  # the C side's own checks
+    assert kernels._lib.kq_causal_conv1d(None, None, None, 3, 5, 0, None) == -1

@@ -1,7 +1,7 @@
 """--prompt-cache-dir through the real CLI (`python -m appliance` subprocesses, the openai client): the prefix two
 requests share is written after the response, and the first request after a restart reuses it (the CLI's
-warm-up keeps it) and answers as a cold server does, for a GGUF (SmolLM2-135M Q4_1) and a Hugging Face
-directory (the tiny random Qwen3). Junk, a FIFO and a dangling link in the directory are skipped with a warning
+warm-up keeps it) and answers as a cold server does, for a GGUF (SmolLM2-135M Q4_1), a Hugging Face
+directory (the tiny random Qwen3) and a hybrid Qwen3.5 (its file also holds the linear layers' recurrent states). Junk, a FIFO and a dangling link in the directory are skipped with a warning
 each; something other than a directory as DIR is a one-line error. The log's `queued` counts the time a request
 waited for the engine's after-request work (in process, where the test can hold that work)."""
 from __future__ import annotations
@@ -68,8 +68,8 @@ def wait_for(predicate, what, timeout=60.0):
 
 
 @pytest.fixture(scope="module")
-def models(tiny_qwen3_tied):
-    return {"gguf": fetch_smollm2(), "hf": tiny_qwen3_tied}
+def models(tiny_qwen3_tied, tiny_qwen3_5):
+    return {"gguf": fetch_smollm2(), "hf": tiny_qwen3_tied, "qwen3_5": tiny_qwen3_5}
 
 
 def write_cache(cli_server, model, d):
@@ -83,7 +83,7 @@ def write_cache(cli_server, model, d):
     return d / name
 
 
-@pytest.mark.parametrize("kind", ["gguf", "hf"])
+@pytest.mark.parametrize("kind", ["gguf", "hf", "qwen3_5"])
 def test_restart_serves_the_first_request_warm(models, kind, cli_server, tmp_path):
     saved = write_cache(cli_server, models[kind], tmp_path / "cache")
     proc, port = cli_server(models[kind], "--prompt-cache-dir", str(tmp_path / "cache"), *ARGS)

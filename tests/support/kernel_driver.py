@@ -144,6 +144,12 @@ class DriverLib:
     def kq_gated_delta_chunked(self, q, k, v, g, beta, T, nh, dk, dv, state, chunk, out):
         return self._delta("kq_gated_delta_chunked", q, k, v, g, beta, T, nh, dk, dv, state, [chunk], out)
 
+    def kq_causal_conv1d(self, x, state, w, T, C, K, out):
+        ok = T >= 0 and C >= 0 and K >= 1  # the C side refuses other sizes before reading
+        return self._call("kq_causal_conv1d", [T, C, K], [(x, T * C * 4 if ok else 0, IN),
+                                                         (state, (K - 1) * C * 4 if ok else 0, INOUT),
+                                                         (w, C * K * 4 if ok else 0, IN), (out, T * C * 4 if ok else 0, OUT)])[0]
+
     # vision operations
     def kq_layer_norm(self, x, w, b, T, n, eps, out):
         self._call("kq_layer_norm", [T, n, _f32_bits(eps)],

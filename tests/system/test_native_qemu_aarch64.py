@@ -1,7 +1,7 @@
 """The aarch64 build of the kernels (NEON, NEON+dotprod, scalar) equals the numpy twins, under qemu
-user-mode emulation: runs scripts/qemu_aarch64_kernels.sh (cross-compile + the kernel tests and the native
-fuzz tests through the test driver: every fuzzed entry point, every weight type, SIMD level and 1-3 pool
-threads). Needs gcc-aarch64-linux-gnu and qemu-user-static (Debian packages)."""
+user-mode emulation: runs scripts/qemu_aarch64_kernels.sh (cross-compile + the kernel tests, the native fuzz
+tests and the delta-rule / conv1d tests through the test driver: every fuzzed entry point, every weight type,
+SIMD level and 1-3 pool threads). Needs gcc-aarch64-linux-gnu and qemu-user-static (Debian packages)."""
 import os
 import re
 import shutil
@@ -10,6 +10,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FUZZ = os.path.join(ROOT, "tests", "native", "test_native_fuzz.py")
+DELTA = os.path.join(ROOT, "tests", "native", "test_native_delta.py")
 
 
 def test_aarch64_kernels_equal_twins_under_qemu():
@@ -24,13 +25,17 @@ def test_aarch64_kernels_equal_twins_under_qemu():
     fuzzed = re.findall(r"^def (test_\w+)", open(FUZZ).read(), re.M)
     ran = set(re.findall(r"^PASSED tests/native/test_native_fuzz\.py::(test_\w+)", r.stdout, re.M))
     assert fuzzed and set(fuzzed) <= ran, f"fuzz tests that did not pass under qemu: {sorted(set(fuzzed) - ran)}"
+    delta = re.findall(r"^def (test_\w+)", open(DELTA).read(), re.M)  # the delta rule and conv1d kernels too
+    ran = set(re.findall(r"^PASSED tests/native/test_native_delta\.py::(test_\w+)", r.stdout, re.M))
+    assert delta and set(delta) <= ran, f"delta tests that did not pass under qemu: {sorted(set(delta) - ran)}"
 
 
 # the generic-C entry points whose policy comments (ops.c, vision.c, quant.c, delta.c) say -O3 makes them NEON on
 # aarch64: each must still hold 4-lane float arithmetic in the aarch64 object (a change that stops the
 # vectoriser, e.g. a call or an aliasing store in the loop, fails here)
 VECTORISED = {"ops": ["kq_rms_norm", "kq_rope", "kq_swiglu", "attn_task"], "vision": ["ln_task", "gelu_range", "sa_task"],
-              "quant": ["kq_dequantize_row"], "delta": ["kq_gated_delta_step", "kq_gated_delta_chunked"]}
+              "quant": ["kq_dequantize_row"], "delta": ["kq_gated_delta_step", "kq_gated_delta_chunked",
+                                                              "kq_causal_conv1d"]}
 
 
 def test_generic_c_entry_points_are_neon_on_aarch64(tmp_path):

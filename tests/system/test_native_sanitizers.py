@@ -3,8 +3,8 @@
 
 Each checked build (appliance.native.build --sanitize) is loaded into the ordinary Python with LD_PRELOAD of
 the sanitizer's runtime (Python itself is not instrumented; only our C code is checked). Under each, the native
-kernel and decoder tests and the entry points' fuzz tests (tests/native/test_native_fuzz*.py: hypothesis-drawn shapes,
-layouts and invalid arguments; numpy's arrays come from the sanitizer's malloc, so a read past one is caught) run,
+kernel and decoder tests, the delta-rule / conv1d tests and the entry points' fuzz tests
+(tests/native/test_native_fuzz*.py: hypothesis-drawn shapes, layouts and invalid arguments; numpy's arrays come from the sanitizer's malloc, so a read past one is caught) run,
 then the decode soak (tests/system/native_soak.py: a real Q4_1 GGUF on the x8
 copies built while a second thread runs products and switches SIMD levels, the pool resized between rounds), and
 a tenth of the loader's fuzz tier under ASan (tests/system/test_load_fuzz.py: mutated GGUF and safetensors files
@@ -54,7 +54,8 @@ def test_native_tests_under_sanitizer(kind, tmp_path):
     env, logs = checked_env(kind, tmp_path)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not sanitize",
                            "tests/native/test_native_kernels.py", "tests/native/test_native_decoder.py",
-                           "tests/native/test_native_fuzz.py", "tests/native/test_native_fuzz_invalid.py"],
+                           "tests/native/test_native_fuzz.py", "tests/native/test_native_fuzz_invalid.py",
+                           "tests/native/test_native_delta.py"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-3000:]
     assert_clean(proc, logs)

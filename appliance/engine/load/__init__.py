@@ -320,13 +320,18 @@ def finish(path: str, ckpt: Checkpoint, options: LoadOptions, phases: Phases | N
         from ..qwen3_5_mtp import mtp_drafter
         engine.drafter = mtp_drafter(decoder, engine.cache)
     phases.mark("engine (KV and prefix caches)")
-    if options.prompt_cache_dir and recurrent:
-        log.warning("--prompt-cache-dir: not kept for this model (its recurrent states are not written to disk)")
-    if options.prompt_cache_dir and options.prefix_reuse and not recurrent:
+    if options.prompt_cache_dir and options.prefix_reuse:
         from ..prompt_disk import PromptDiskCache, model_identity
         shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+        states: tuple[tuple[int, ...], ...] = ()
+        if recurrent:  # the full-attention layers' KV (and the MTP head's), then each linear layer's states
+            hybrid: Any = engine.cache
+            n_kv, _, hd = hybrid.kv.k[0].shape  # (n_kv, max_len, hd)
+            shape = (len(hybrid.kv.k), n_kv, hd)
+            states = tuple(a.shape for st in hybrid.state.values() for a in (st.conv, st.ssm))
         try:
-            engine.disk = PromptDiskCache(options.prompt_cache_dir, model_identity(path, shape, dtype), shape, dtype)
+            engine.disk = PromptDiskCache(options.prompt_cache_dir, model_identity(path, shape, dtype, states), shape,
+                                          dtype, states=states)
             engine.adopt(engine.disk.load_all())
         except OSError as e:
             raise ModelLoadError(f"--prompt-cache-dir {options.prompt_cache_dir}: {e.strerror or e}") from None

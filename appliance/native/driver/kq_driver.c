@@ -73,6 +73,7 @@ int main(void) {
             rc = kq_gated_delta_step(F(0), F(1), F(2), F(3), F(4), s[0], s[1], s[2], s[3], F(5), F(6));
         else if (IS("kq_gated_delta_chunked"))
             rc = kq_gated_delta_chunked(F(0), F(1), F(2), F(3), F(4), s[0], s[1], s[2], s[3], F(5), s[4], F(6));
+        else if (IS("kq_causal_conv1d")) rc = kq_causal_conv1d(F(0), F(1), F(2), s[0], s[1], s[2], F(3));
         else if (IS("kq_layer_norm")) kq_layer_norm(F(0), F(1), F(2), s[0], s[1], f32_of(s[2]), F(3));
         else if (IS("kq_gelu_tanh")) kq_gelu_tanh(F(0), s[0], F(1));
         else if (IS("kq_self_attention")) rc = kq_self_attention(F(0), s[0], s[1], s[2], F(1), F(2), F(3));

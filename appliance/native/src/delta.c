@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kq.h"
+#include "kq_internal.h"
 
 static void step_head(const float *q, const float *k, const float *v, float g, float beta, int64_t dk, int64_t dv,
                       float *S, float *d, float *o) {
@@ -120,5 +120,66 @@ int kq_gated_delta_chunked(const float *q, const float *k, const float *v, const
             chunk_head(q, k, v, g, beta, t0, n, h, nh, dk, dv, state + h * dk * dv, G, L, D, out);
     }
     free(G);
+    return 0;
+}
+
+/* SiLU's exp: kq_expf on aarch64, where its rounding is one NEON instruction (frintx) and the loop vectorises, as
+ * kq_swiglu's; libm's expf elsewhere (x86-64's baseline has no vector rounding: kq_expf calls rintf per value,
+ * measured 3x slower there than expf) */
+#if defined(__aarch64__)
+#define CONV_EXP kq_expf
+#else
+#define CONV_EXP expf
+#endif
+
+static void conv_state(const float *x, float *state, int64_t T, int64_t C, int64_t K) {
+    int64_t km1 = K - 1;
+    for (int64_t r = 0; r < km1; r++) {  /* the new state: xp rows T..T+K-2 (sources past r: not yet overwritten) */
+        const float *src = T + r < km1 ? state + (T + r) * C : x + (T + r - km1) * C;
+        memmove(state + r * C, src, sizeof(float) * (size_t)C);
+    }
+}
+
+int kq_causal_conv1d(const float *x, float *state, const float *w, int64_t T, int64_t C, int64_t K, float *out) {
+    if (T < 0 || C < 0 || K < 1) return -1;
+    if (T == 0 || C == 0) return 0;
+    if (K == 4) {  /* Qwen3.5's width: the taps read in place (stride 4: ld4 on NEON), no transposition */
+        for (int64_t t = 0; t < T; t++) {
+            const float *r[4];
+            for (int64_t j = 0; j < 4; j++) r[j] = t + j < 3 ? state + (t + j) * C : x + (t + j - 3) * C;
+            const float *r0 = r[0], *r1 = r[1], *r2 = r[2], *r3 = r[3];
+            float *o = out + t * C;
+            for (int64_t c = 0; c < C; c++) {
+                float v = r0[c] * w[4 * c] + r1[c] * w[4 * c + 1] + r2[c] * w[4 * c + 2] + r3[c] * w[4 * c + 3];
+                o[c] = v / (1.0f + CONV_EXP(-v));
+            }
+        }
+        conv_state(x, state, T, C, K);
+        return 0;
+    }
+    float local[4096], *wt = local;  /* a block of B channels' taps, (K, B): tap j of every channel contiguous */
+    int64_t B = (int64_t)(sizeof local / sizeof *local) / K, km1 = K - 1;
+    if (B < 1) {  /* a kernel wider than the stack block: one channel at a time from the heap */
+        if (!(wt = malloc(sizeof(float) * (size_t)K))) return -2;
+        B = 1;
+    }
+    for (int64_t c0 = 0; c0 < C; c0 += B) {
+        int64_t nb = C - c0 < B ? C - c0 : B;
+        for (int64_t c = 0; c < nb; c++)
+            for (int64_t j = 0; j < K; j++) wt[j * nb + c] = w[(c0 + c) * K + j];
+        for (int64_t t = 0; t < T; t++) {
+            float *o = out + t * C + c0;
+            for (int64_t j = 0; j < K; j++) {  /* xp row t + j: a carried input, or a new one */
+                const float *row = (t + j < km1 ? state + (t + j) * C : x + (t + j - km1) * C) + c0, *wj = wt + j * nb;
+                if (j == 0)
+                    for (int64_t c = 0; c < nb; c++) o[c] = row[c] * wj[c];
+                else
+                    for (int64_t c = 0; c < nb; c++) o[c] += row[c] * wj[c];
+            }
+            for (int64_t c = 0; c < nb; c++) o[c] = o[c] / (1.0f + CONV_EXP(-o[c]));
+        }
+    }
+    conv_state(x, state, T, C, K);
+    if (wt != local) free(wt);
     return 0;
 }

@@ -83,6 +83,9 @@ int kq_gated_delta_step(const float *q, const float *k, const float *v, const fl
                         int64_t T, int64_t nh, int64_t dk, int64_t dv, float *state, float *out);
 int kq_gated_delta_chunked(const float *q, const float *k, const float *v, const float *g, const float *beta,
                            int64_t T, int64_t nh, int64_t dk, int64_t dv, float *state, int64_t chunk, float *out);
+/* its causal depthwise conv1d then SiLU: x, out (T, C), state (K-1, C) replaced by the last K-1 inputs, w (C, K);
+ * 0, or -1 for a negative size or K < 1, -2 when the scratch cannot be allocated (before anything is written) */
+int kq_causal_conv1d(const float *x, float *state, const float *w, int64_t T, int64_t C, int64_t K, float *out);
 
 /* vision tower operations (vision.c) */
 void kq_layer_norm(const float *x, const float *w, const float *b, int64_t T, int64_t n, float eps, float *out);

@@ -83,8 +83,8 @@ const char *kq_simd_name(void) {
     return names[level];
 }
 
-int kq_abi_version(void) { return 7; } /* 7: byte counts in kq_linear, kq_moe; 2: kq_layer.moe; 3: float16 KV caches; 4: Q5_K; 5: Q5_0, Q5_1, IQ4_NL;
-                                                6: Q2_K, Q3_K, IQ4_XS */
+int kq_abi_version(void) { return 8; } /* 8: kq_causal_conv1d; 7: byte counts in kq_linear, kq_moe; 2: kq_layer.moe;
+                                                3: float16 KV caches; 4: Q5_K; 5: Q5_0, Q5_1, IQ4_NL; 6: Q2_K, Q3_K, IQ4_XS */
 
 void kq_quantize_q8_32(const float *x, int64_t T, int64_t n, kq_act32 *out) {
     detect();
