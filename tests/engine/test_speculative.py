@@ -254,28 +254,31 @@ CHI2_999 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515}  # chi-square
 @pytest.mark.parametrize("source", ["ngram", "draft_model"])
 def test_sampled_distribution_with_independent_seeds_matches_plain(scripted_qwen3, source):
     """Seeds differ between the two arms, so this is a distribution test, not the same-seed identity: the
-    scripted model's third answer token at temperature 2, 300 draws each, drafts accepted along its script
-    (drafts from the prompt, or from the model itself as --draft-model)."""
+    scripted model's third answer token, 300 draws each, drafts from the prompt (whose "\\n\\n Sunny in Paris"
+    drafts the answer from its first token on) or from the model itself as --draft-model. Temperature 2 with a
+    repetition penalty of 1.25 (the script's tokens are in the prompt) makes each scripted token about 0.7
+    likely, so drafts are often rejected and the resample branch runs (a mutation keeping every draft fails at
+    chi2 79 > 10.8)."""
     a, b = tiny_pair(scripted_qwen3)
     if source == "draft_model":
         b = load_model(scripted_qwen3, LoadOptions(context_length=512, prefill_chunk=16, spec=SpecOptions(draft_max=6),
                                                    draft_model=scripted_qwen3))
     ids = a.tokenizer.encode(a.chat_template.render(
-        [{"role": "user", "content": "Say: Sunny in Paris today. Sunny in Paris today."}],
+        [{"role": "user", "content": "Say this\n\n Sunny in Paris today."}],
         add_generation_prompt=True, enable_thinking=False))
-    counts, accepted, _ = third_token_counts((a, b), ids, 2.0, 300)
-    assert accepted > 100                  # the arm with drafts did verify runs
+    counts, accepted, rejected = third_token_counts((a, b), ids, 2.0, 300, repetition_penalty=1.25)
+    assert accepted > 150 and rejected > 100  # measured: 239 / 181 (ngram), 238 / 519 (draft model)
     assert_same_distribution(counts, 300)
 
 
-def third_token_counts(arms, ids, temperature: float, draws: int) -> tuple[list[dict[int, int]], int, int]:
+def third_token_counts(arms, ids, temperature: float, draws: int, **sampling) -> tuple[list[dict[int, int]], int, int]:
     """Each arm's counts of the third answer token over `draws` seeds (different seeds per arm), and the drafted
-    tokens accepted and rejected over all the runs."""
+    tokens accepted and rejected over all the runs. `sampling`: further SamplingParams fields."""
     counts: list[dict[int, int]] = [{} for _ in arms]
     accepted = rejected = 0
     for arm, loaded in enumerate(arms):
         for seed in range(draws):
-            sp = SamplingParams(temperature=temperature, seed=seed + 100_000 * arm)
+            sp = SamplingParams(temperature=temperature, seed=seed + 100_000 * arm, **sampling)
             _, fin = run(loaded, GenerationRequest(ids, sp, max_tokens=4, ignore_eos=True))
             tok = fin.token_ids[2]
             counts[arm][tok] = counts[arm].get(tok, 0) + 1
