@@ -189,6 +189,25 @@ def test_qwen3_vl_with_a_draft_model(tiny_qwen3_untied, tmp_path_factory):
     assert fb.token_ids == run(text_plain, req)[1].token_ids and fb.timings.draft_n > 0
 
 
+def test_a_llama_cpp_gguf_and_its_directory_draft_for_each_other(plain, tiny_qwen3_untied, tmp_path):
+    """llama.cpp's converter makes the added tokens spelled <|...|> control tokens where tokenizer.json does not
+    mark them special (<|fim_prefix|>, ...): still the same tokenizer, so its GGUF drafts for the Hugging Face
+    directory and the directory for the GGUF, and the tokens stay plain decoding's (the same weights: drafts
+    accepted)."""
+    from tests.support.llama_convert import convert_hf
+    gguf = convert_hf(tiny_qwen3_untied, str(tmp_path / "llama-f32.gguf"), "f32")
+    gguf_plain = load_model(gguf, options(spec=SpecOptions("none")))
+    flipped = gguf_plain.tokenizer.special_ids ^ plain.tokenizer.special_ids
+    pieces = plain.tokenizer.all_token_bytes(len(plain.tokenizer))
+    assert flipped and all(pieces[i].startswith(b"<|") and pieces[i].endswith(b"|>") for i in flipped), flipped
+    for target, draft, reference in ((gguf, tiny_qwen3_untied, gguf_plain), (tiny_qwen3_untied, gguf, plain)):
+        drafted = load_model(target, options(spec=SpecOptions(draft_max=4), draft_model=draft))
+        req = GenerationRequest(ids_of(plain, PROMPTS[1]), GREEDY, max_tokens=24, ignore_eos=True)
+        _, fa = run(reference, req)
+        _, fb = run(drafted, req)
+        assert fb.token_ids == fa.token_ids and fb.timings.draft_n_accepted >= 0.8 * fb.timings.draft_n > 0, target
+
+
 def test_the_draft_counts_in_the_prefix_store(tiny_qwen3_untied, tiny_qwen3_tied):
     """Under --cache-ram the active sequence holds the target's keys and values and the draft's, and the copies
     of earlier sequences only the target's: with a 1 MiB budget, a first prompt's copy that fits beside a second
