@@ -124,3 +124,24 @@ def test_a_draft_differing_in_one_special_flag_is_refused(tiny_qwen3_untied, tmp
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert len(errors) == 1 and "tokenizer" in errors[0] and f"token {entry['id']} is special there" in errors[0], \
         r.stderr
+
+
+def test_mtp_drafts_report_their_timings(cli_server, tiny_qwen3_5_mtp, tmp_path):
+    """--spec mtp on a Qwen3.5 checkpoint whose head is right by construction: the stream is --spec none's, and
+    the final chunk's timings and /metrics count the head's drafts, nearly all accepted."""
+    from tests.support.tiny_models import make_bigram_with_mtp
+    path = make_bigram_with_mtp(tiny_qwen3_5_mtp, str(tmp_path / "bigram"))
+    ports = {}
+    for name in ("mtp", "none"):
+        proc, ports[name] = cli_server(path, "--spec", name)
+        drain_stderr(proc)
+    greedy = {"temperature": 0, "max_tokens": 20, "ignore_eos": True}
+    pieces, timings = stream(ports["mtp"], **greedy)
+    plain, plain_timings = stream(ports["none"], **greedy)
+    assert pieces == plain and len(pieces) > 5
+    t = timings[-1]
+    assert t["draft_n"] >= 10 and t["draft_n_accepted"] >= 0.9 * t["draft_n"], t
+    assert "draft_n" not in plain_timings[-1]
+    m = metrics(ports["mtp"])
+    assert m["kestrel_draft_tokens_total"] == t["draft_n"]
+    assert m["kestrel_draft_tokens_accepted_total"] == t["draft_n_accepted"]
