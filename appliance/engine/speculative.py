@@ -8,11 +8,7 @@ Policies:
   and the rest of the run is dropped (the cache rolls back to the accepted length). For deterministic drafts
   (n-gram lookup, a draft model's greedy choice) this is speculative sampling's accept/resample rule with the
   draft distribution one-hot: the emitted sequence has the target distribution, and with the same seed it is
-  the sequence plain decoding draws (the generator is consumed once per emitted token, as without drafts) as
-  far as the verify forward's logits are the one-token steps': a k+1-row forward differs in the last bits
-  (measured up to 4e-5 on the tiny float models, 3e-3 on SmolLM2's Q4_1), so a draw that lands that close to a
-  boundary of a flat distribution can part (a random model's ~150k allowed tokens at temperature 0.8), as a
-  different prefill chunking can; greedy parts only on such near-ties.
+  the sequence plain decoding draws (the generator is consumed once per emitted token, as without drafts).
 - The default (`auto`): a Qwen3.5 checkpoint's own multi-token-prediction head (`mtp`, qwen3_5_mtp.py) when
   it has one and no --draft-model is given (a trained draft beats a lookup on free text, and it costs one
   decoder layer a step), else drafts from the prompt. `--spec ngram` keeps the lookup on such a model.
