@@ -187,3 +187,59 @@ def test_qwen3_vl_with_a_draft_model(tiny_qwen3_untied, tmp_path_factory):
     req = GenerationRequest(ids_of(text_plain, PROMPTS[0]), GREEDY, max_tokens=16, ignore_eos=True)
     _, fb = run(text_drafted, req)
     assert fb.token_ids == run(text_plain, req)[1].token_ids and fb.timings.draft_n > 0
+
+
+def test_a_llama_cpp_gguf_and_its_directory_draft_for_each_other(plain, tiny_qwen3_untied, tmp_path):
+    """llama.cpp's converter makes the added tokens spelled <|...|> control tokens where tokenizer.json does not
+    mark them special (<|fim_prefix|>, ...): still the same tokenizer, so its GGUF drafts for the Hugging Face
+    directory and the directory for the GGUF, and the tokens stay plain decoding's (the same weights: drafts
+    accepted)."""
+    from tests.support.llama_convert import convert_hf
+    gguf = convert_hf(tiny_qwen3_untied, str(tmp_path / "llama-f32.gguf"), "f32")
+    gguf_plain = load_model(gguf, options(spec=SpecOptions("none")))
+    flipped = gguf_plain.tokenizer.special_ids ^ plain.tokenizer.special_ids
+    pieces = plain.tokenizer.all_token_bytes(len(plain.tokenizer))
+    assert flipped and all(pieces[i].startswith(b"<|") and pieces[i].endswith(b"|>") for i in flipped), flipped
+    for target, draft, reference in ((gguf, tiny_qwen3_untied, gguf_plain), (tiny_qwen3_untied, gguf, plain)):
+        drafted = load_model(target, options(spec=SpecOptions(draft_max=4), draft_model=draft))
+        req = GenerationRequest(ids_of(plain, PROMPTS[1]), GREEDY, max_tokens=24, ignore_eos=True)
+        _, fa = run(reference, req)
+        _, fb = run(drafted, req)
+        assert fb.token_ids == fa.token_ids and fb.timings.draft_n_accepted >= 0.8 * fb.timings.draft_n > 0, target
+
+
+def test_the_draft_counts_in_the_prefix_store(tiny_qwen3_untied, tiny_qwen3_tied):
+    """Under --cache-ram the active sequence holds the target's keys and values and the draft's, and the copies
+    of earlier sequences only the target's: with a 1 MiB budget, a first prompt's copy that fits beside a second
+    prompt on the target alone is not kept when a draft model runs beside it (the second prompt comes back from
+    scratch), and a shorter one is kept (and reused exactly)."""
+    opts = dict(context_length=1024, prefill_chunk=64, cache_ram_mb=1)
+    drafted = load_model(tiny_qwen3_untied, LoadOptions(**opts, spec=SpecOptions(draft_max=4),
+                                                        draft_model=tiny_qwen3_tied))
+    alone = load_model(tiny_qwen3_untied, LoadOptions(**opts, spec=SpecOptions("none")))
+    budget, t = 2**20, alone.engine.cache.bytes_per_token
+    d = drafted.engine.draft_model.cache.bytes_per_token
+    assert drafted.engine.store.budget == alone.engine.store.budget == budget
+    assert drafted.engine.active_bytes_per_token == t + d and alone.engine.active_bytes_per_token == t
+    new = 3  # of the 4 tokens answered, the last is never fed: a sequence holds the prompt and 3 more
+
+    def cache_n_of_a_again(loaded, n: int) -> tuple[int, list[int]]:
+        """Prompts A, B (sharing no prefix: A is copied to the store when B overwrites it), A again."""
+        loaded.engine.drop_sequence()
+        loaded.engine.store.clear()
+        a, b = [1000 + i % 97 for i in range(n)], [2000 + i % 89 for i in range(n)]
+        for ids in (a, b):
+            run(loaded, GenerationRequest(ids, GREEDY, max_tokens=4, ignore_eos=True))
+        store = loaded.engine.store
+        held = [e.nbytes for e in store]
+        assert store.nbytes + len(loaded.engine.cache_tokens) * loaded.engine.active_bytes_per_token <= budget
+        return run(loaded, GenerationRequest(a, GREEDY, max_tokens=4, ignore_eos=True))[1].timings.cache_n, held
+
+    # the longest prompt whose copy fits beside the next on the target alone: with the draft it does not
+    n = max(n for n in range(1, 1024) if (n + new) * t + (n + new) * t <= budget)
+    assert (n + new) * t + n * (t + d) > budget
+    assert cache_n_of_a_again(alone, n) == (n - 1, [(n + new) * t])    # kept: A's copy, its target's bytes
+    assert cache_n_of_a_again(drafted, n) == (0, [])                    # not kept: A runs from scratch
+    # the longest that fits with the draft's bytes counted: kept with the draft too
+    n = max(n for n in range(1, 1024) if (n + new) * t + (n + new) * (t + d) <= budget)
+    assert cache_n_of_a_again(drafted, n) == (n - 1, [(n + new) * t])

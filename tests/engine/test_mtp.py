@@ -5,7 +5,7 @@ a chain accepted only if the head is fed the right token at the right position),
 follow-up turn, and the choice of drafter at load."""
 import pytest
 
-from appliance.engine.generate import GenerationRequest
+from appliance.engine.generate import FinishEvent, GenerationRequest
 from appliance.engine.load import LoadOptions, ModelLoadError, decoder_of, load_model
 from appliance.engine.qwen3_5_mtp import MtpDrafter
 from appliance.engine.sampling import SamplingParams
@@ -94,3 +94,30 @@ def test_which_drafter_at_load(tiny_qwen3_5_mtp, tiny_qwen3_5):
     with pytest.raises(ModelLoadError, match="no multi-token-prediction head") as e:
         load_model(tiny_qwen3_5, LoadOptions(**OPTS, spec=SpecOptions("mtp")))
     assert "\n" not in str(e.value)
+
+
+def test_cancelled_mid_run_and_under_a_json_schema(tiny_qwen3_5_mtp, tmp_path):
+    """The head right by construction drafts runs of draft_max: a cancel seen after the 10th token (inside a run)
+    stops there with plain decoding's tokens and the cache they leave; under a JSON schema the verified positions
+    are masked as plain steps are (the tokens are plain decoding's, drafts made)."""
+    from appliance.engine.generate import TokenEvent
+    from tests.engine.test_speculative import json_constraint
+
+    a, b = pair(make_bigram_with_mtp(tiny_qwen3_5_mtp, str(tmp_path / "bigram")))
+    ids = ids_of(a, STORY)
+    req = GenerationRequest(ids, GREEDY, max_tokens=40, ignore_eos=True)
+    _, truth = run(a, req)
+    seen: list[TokenEvent] = []
+    fin = None
+    for ev in b.engine.generate(req, lambda: len(seen) >= 10):  # polled after each token: True after the 10th
+        if isinstance(ev, TokenEvent):
+            seen.append(ev)
+        else:
+            fin = ev
+    assert isinstance(fin, FinishEvent) and fin.reason == "cancelled" and fin.token_ids == truth.token_ids[:10]
+    t = fin.timings
+    assert t.draft_n_accepted >= 6 and t.draft_n > t.draft_n_accepted  # drafted past the cancel: inside a run
+    assert b.engine.cache_tokens == ids + fin.token_ids[:-1] and b.engine.cache.length == len(b.engine.cache_tokens)
+    (_, fa), (_, fb) = (run(m, GenerationRequest(ids, GREEDY, max_tokens=32, constraint=json_constraint(m)))
+                        for m in (a, b))
+    assert fb.token_ids == fa.token_ids and fb.reason == fa.reason and fb.timings.draft_n > 0

@@ -1,6 +1,8 @@
 """Speculative decoding through Engine.generate: the drafted runs are verified exactly, so the tokens equal plain
 decoding's (greedy, and sampled with the same seed), on real weights (SmolLM2) and on the tiny dense, MoE and VL
 models; stop strings, grammars, cancellation and the prefix cache see the same sequence as without drafts."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -173,18 +175,37 @@ def test_cancel_mid_run_stops_at_the_same_token(plain, spec):
     assert spec.engine.cache_tokens == ids + fb.token_ids[:-1]
 
 
+def json_constraint(loaded):
+    """A compiled JSON-schema constraint for one model, fresh for each run."""
+    return constraint_for(OutputFormat("json_schema", SCHEMA), loaded.tokenizer, loaded.config.vocab_size,
+                          loaded.engine.eos_ids)
+
+
+SCHEMA = {"type": "object", "properties": {"keeper": {"type": "string"}, "stairs": {"type": "string"}},
+          "required": ["keeper", "stairs"], "additionalProperties": False}
+JSON_TASK = f"{PASSAGE}\n\nAnswer in JSON with keys keeper and stairs, quoting the passage."
+
+
 def test_a_json_schema_constrains_every_verified_position(plain, spec):
-    schema = {"type": "object", "properties": {"keeper": {"type": "string"}, "stairs": {"type": "string"}},
-              "required": ["keeper", "stairs"], "additionalProperties": False}
-    ids = ids_of(plain, f"{PASSAGE}\n\nAnswer in JSON with keys keeper and stairs, quoting the passage.")
-    outs = []
-    for loaded in (plain, spec):
-        c = constraint_for(OutputFormat("json_schema", schema), loaded.tokenizer, loaded.config.vocab_size,
-                           loaded.engine.eos_ids)
-        outs.append(run(loaded, GenerationRequest(ids, GREEDY, max_tokens=60, constraint=c)))
-    (ta, fa), (tb, fb) = outs
+    ids = ids_of(plain, JSON_TASK)
+    (ta, fa), (tb, fb) = (run(m, GenerationRequest(ids, GREEDY, max_tokens=60, constraint=json_constraint(m)))
+                          for m in (plain, spec))
     assert fb.token_ids == fa.token_ids and fb.reason == fa.reason
     assert fb.timings.draft_n > 0
+
+
+def test_sampled_tokens_under_a_json_schema_are_plain_samplings(plain, spec):
+    """The grammar masks each verified position as plain decoding masks each step, and the seeded generator is
+    drawn once per emitted token: the same seed gives the same tokens."""
+    ids = ids_of(plain, JSON_TASK)
+    drafted = 0
+    for seed in range(4):
+        sp = SamplingParams(temperature=0.8, seed=seed)
+        _, fa = run(plain, GenerationRequest(ids, sp, max_tokens=60, constraint=json_constraint(plain)))
+        _, fb = run(spec, GenerationRequest(ids, sp, max_tokens=60, constraint=json_constraint(spec)))
+        assert fb.token_ids == fa.token_ids and fb.reason == fa.reason, seed
+        drafted += fb.timings.draft_n
+    assert drafted > 0
 
 
 # ---- the tiny models: an oracle drafter that is right most of the time --------------------------------------
@@ -210,11 +231,14 @@ def tiny_pair(path, **kw):
             load_model(path, LoadOptions(context_length=512, prefill_chunk=16, spec=SpecOptions(draft_max=6)), **kw))
 
 
-def check_oracle(plain_m, spec_m, req):
-    _, fa = run(plain_m, req)
+def check_oracle(plain_m, spec_m, req, constraint=None):
+    """`constraint(loaded)`: a fresh constraint for each run (the request's is replaced)."""
+    def req_for(m):
+        return req if constraint is None else dataclasses.replace(req, constraint=constraint(m))
+    _, fa = run(plain_m, req_for(plain_m))
     truth = fa.token_ids
     spec_m.engine.drafter = lambda: OracleDrafter(len(req.prompt_ids), truth, spec_m.config.vocab_size)
-    _, fb = run(spec_m, req)
+    _, fb = run(spec_m, req_for(spec_m))
     assert fb.token_ids == truth
     t = fb.timings
     assert t.draft_n_accepted > len(truth) // 2 and t.draft_n > t.draft_n_accepted
@@ -230,6 +254,10 @@ def test_tiny_models_verify_exactly(request, fixture):
     check_oracle(a, b, GenerationRequest(ids, GREEDY, max_tokens=32, ignore_eos=True))
     check_oracle(a, b, GenerationRequest(ids, SamplingParams(temperature=1.0, seed=3), max_tokens=32,
                                          ignore_eos=True))
+    # a JSON schema masks every verified position as plain decoding masks each step, and the seeded generator is
+    # drawn once per emitted token: greedy and seeded tokens are plain decoding's
+    for sp in (GREEDY, *(SamplingParams(temperature=0.8, seed=s) for s in (1, 2, 3))):
+        check_oracle(a, b, GenerationRequest(ids, sp, max_tokens=32), json_constraint)
 
 
 def test_tiny_vl_with_images_verifies_exactly(tmp_path_factory):
@@ -244,6 +272,7 @@ def test_tiny_vl_with_images_verifies_exactly(tmp_path_factory):
     patches = [a.model.image_processor.preprocess(decode_image(image_bytes(48, 32, "PNG", seed=1)))]
     ids = expand_image_pads(ids, 151655, [p.num_tokens for p in patches])
     check_oracle(a, b, GenerationRequest(ids, GREEDY, max_tokens=24, ignore_eos=True, images=tuple(patches)))
+    check_oracle(a, b, GenerationRequest(ids, GREEDY, max_tokens=24, images=tuple(patches)), json_constraint)
 
 
 # ---- the distribution ---------------------------------------------------------------------------------------
@@ -254,28 +283,31 @@ CHI2_999 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515}  # chi-square
 @pytest.mark.parametrize("source", ["ngram", "draft_model"])
 def test_sampled_distribution_with_independent_seeds_matches_plain(scripted_qwen3, source):
     """Seeds differ between the two arms, so this is a distribution test, not the same-seed identity: the
-    scripted model's third answer token at temperature 2, 300 draws each, drafts accepted along its script
-    (drafts from the prompt, or from the model itself as --draft-model)."""
+    scripted model's third answer token, 300 draws each, drafts from the prompt (whose "\\n\\n Sunny in Paris"
+    drafts the answer from its first token on) or from the model itself as --draft-model. Temperature 2 with a
+    repetition penalty of 1.25 (the script's tokens are in the prompt) makes each scripted token about 0.7
+    likely, so drafts are often rejected and the resample branch runs (a mutation keeping every draft fails at
+    chi2 79 > 10.8)."""
     a, b = tiny_pair(scripted_qwen3)
     if source == "draft_model":
         b = load_model(scripted_qwen3, LoadOptions(context_length=512, prefill_chunk=16, spec=SpecOptions(draft_max=6),
                                                    draft_model=scripted_qwen3))
     ids = a.tokenizer.encode(a.chat_template.render(
-        [{"role": "user", "content": "Say: Sunny in Paris today. Sunny in Paris today."}],
+        [{"role": "user", "content": "Say this\n\n Sunny in Paris today."}],
         add_generation_prompt=True, enable_thinking=False))
-    counts, accepted, _ = third_token_counts((a, b), ids, 2.0, 300)
-    assert accepted > 100                  # the arm with drafts did verify runs
+    counts, accepted, rejected = third_token_counts((a, b), ids, 2.0, 300, repetition_penalty=1.25)
+    assert accepted > 150 and rejected > 100  # measured: 239 / 181 (ngram), 238 / 519 (draft model)
     assert_same_distribution(counts, 300)
 
 
-def third_token_counts(arms, ids, temperature: float, draws: int) -> tuple[list[dict[int, int]], int, int]:
+def third_token_counts(arms, ids, temperature: float, draws: int, **sampling) -> tuple[list[dict[int, int]], int, int]:
     """Each arm's counts of the third answer token over `draws` seeds (different seeds per arm), and the drafted
-    tokens accepted and rejected over all the runs."""
+    tokens accepted and rejected over all the runs. `sampling`: further SamplingParams fields."""
     counts: list[dict[int, int]] = [{} for _ in arms]
     accepted = rejected = 0
     for arm, loaded in enumerate(arms):
         for seed in range(draws):
-            sp = SamplingParams(temperature=temperature, seed=seed + 100_000 * arm)
+            sp = SamplingParams(temperature=temperature, seed=seed + 100_000 * arm, **sampling)
             _, fin = run(loaded, GenerationRequest(ids, sp, max_tokens=4, ignore_eos=True))
             tok = fin.token_ids[2]
             counts[arm][tok] = counts[arm].get(tok, 0) + 1

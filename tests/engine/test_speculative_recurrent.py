@@ -87,17 +87,51 @@ def test_prompt_drafts_greedy_identical(tiny_qwen3_5):
     assert fb.timings.draft_n > fb.timings.draft_n_accepted
 
 
+class RecordingOracle(OracleDrafter):
+    """The oracle, keeping each proposal: (position of its first draft in the answer, the drafts)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.proposals: list[tuple[int, list[int]]] = []
+
+    def propose(self, k):
+        out = super().propose(k)
+        self.proposals.append((self.n - self.prompt_len, out))
+        return out
+
+    def runs(self) -> list[tuple[int, int, int]]:
+        """Each verified run: (first position, positions accepted, positions drafted)."""
+        return [(at, next((i for i, t in enumerate(out) if t != self.truth[at + i]), len(out)), len(out))
+                for at, out in self.proposals]
+
+
 def test_a_stop_string_inside_an_accepted_run(pair):
+    """The stop string is the text of two answer tokens that the oracle drafts right in the middle of one run
+    (the run goes on past them), so the stop is found while emitting a verified run's accepted tokens."""
     a, b = pair
     ids = ids_of(a, "Tell me a story about a lighthouse.")
     _, fa = run(a, GenerationRequest(ids, GREEDY, max_tokens=32, ignore_eos=True))
     truth = fa.token_ids
-    stop = a.tokenizer.decode(truth[14:16])  # drafted at positions the oracle gets right
+    # the runs (first position, drafted; the oracle is wrong at 4, 9, 14, ...; draft_max 6, no pause: see below):
+    # 1-4 (4 wrong), 5-8 (9 from the run's last logits), 10-15 (14 wrong), 15-19, 20-24: the stop spans positions
+    # m, m + 1 of one run that drafts m + 2 too
+    text = a.tokenizer.decode
+
+    def first_at(m):  # the stop is first found when token m + 1 is emitted
+        stop = text(truth[m:m + 2])
+        return stop.strip() and stop in text(truth[:m + 2]) and stop not in text(truth[:m + 1]) \
+            and text(truth[:m + 2]).index(stop) >= len(text(truth[:m]))
+    m = next(m for m in (11, 16, 12, 6, 10, 15, 5, 2) if first_at(m))
+    stop = text(truth[m:m + 2])
     ta, fa = run(a, GenerationRequest(ids, GREEDY, max_tokens=32, ignore_eos=True, stop=(stop,)))
-    b.engine.drafter = lambda: OracleDrafter(len(ids), truth, b.config.vocab_size)
+    drafters: list[RecordingOracle] = []
+    b.engine.drafter = lambda: drafters.append(RecordingOracle(len(ids), truth, b.config.vocab_size)) or drafters[-1]
+    b.engine.step_ms = None  # no measured step: the draft length follows acceptance only, never pauses (timing)
     tb, fb = run(b, GenerationRequest(ids, GREEDY, max_tokens=32, ignore_eos=True, stop=(stop,)))
-    assert fa.reason == fb.reason == "stop" and text_of(tb, fb) == text_of(ta, fa)
+    assert fa.reason == fb.reason == "stop" and text_of(tb, fb) == text_of(ta, fa) and len(fa.token_ids) == m + 2
     assert fb.token_ids == fa.token_ids and fb.timings.draft_n_accepted > 3
+    assert any(at <= m and at + accepted > m + 1 and at + drafted > m + 2 for at, accepted, drafted
+               in drafters[0].runs()), (m, drafters[0].runs())
     assert b.engine.cache_tokens == ids + fb.token_ids[:-1] == a.engine.cache_tokens
     assert b.engine.cache.length == len(b.engine.cache_tokens)
 

@@ -202,3 +202,44 @@ def test_metrics_count_cancellations_and_tokens(server):
     assert int(values["kestrel_generated_tokens_total"]) == s.completion_tokens > 0
     assert int(values['kestrel_generations_total{reason="cancelled"}']) >= 1
     assert values["kestrel_busy"] == "0" and values["kestrel_queue_depth"] == "0"
+
+
+def test_disconnect_during_accepted_drafts_stops_within_one_token(tiny_qwen3_tied):
+    """Speculation with drafts accepted (an oracle drafter: the plain greedy continuation, every fifth token
+    wrong): a verified run is emitted token by token with a poll before each, so a client leaving in the middle
+    of a run gets at most one more token (the one whose poll came before the flag), and no forward starts after
+    the stop. A verify forward is one engine step that yields several tokens, so the step count is exactly the
+    tokens that were not accepted drafts, less the last: steps = tokens - 1 - accepted."""
+    from appliance.engine.generate import GenerationRequest
+    from appliance.engine.load import LoadOptions, load_model
+    from appliance.engine.sampling import SamplingParams
+    from appliance.engine.speculative import SpecOptions
+    from tests.engine.test_speculative import OracleDrafter, ids_of, run
+    from tests.support.live_server import serving_model
+
+    prompt, max_tokens = "Tell me a long story.", 600
+
+    def load():
+        plain = load_model(tiny_qwen3_tied, LoadOptions(prefill_chunk=PREFILL_CHUNK, spec=SpecOptions("none")))
+        ids = ids_of(plain, prompt)  # the server's rendering of one user message
+        _, fin = run(plain, GenerationRequest(ids, SamplingParams(temperature=0.0), max_tokens=max_tokens,
+                                              ignore_eos=True))
+        loaded = serving_model(tiny_qwen3_tied, None, PREFILL_CHUNK)
+        vocab = loaded.config.vocab_size
+        loaded.engine.drafter = lambda: OracleDrafter(len(ids), fin.token_ids, vocab)
+        return loaded
+
+    with LiveServer(tiny_qwen3_tied, prefill_chunk=PREFILL_CHUNK, load=load) as server:
+        engine, stats = server.worker.loaded.engine, server.worker.stats
+        steps_before, accepted_before = engine.decode_steps_run, stats.draft_tokens_accepted
+        a, ra = open_stream(server, chat_body(prompt, stream=True, max_tokens=max_tokens, ignore_eos=True,
+                                              temperature=0))
+        a.read_events(ra, stop_after=6)  # role frame + 5 token events
+        a.close()
+        t = finished_trace(server, 0)
+        accepted = stats.draft_tokens_accepted - accepted_before  # counted when the job ended, before its trace
+        assert t.finish_reason == "cancelled" and t.cancel_requested
+        assert 5 <= t.tokens < max_tokens
+        assert t.tokens_after_cancel <= 1 and t.polls_after_cancel == 1
+        assert accepted > 0 and stats.draft_tokens > accepted      # drafts accepted (and some rejected) before it
+        assert engine.decode_steps_run - steps_before == t.tokens - 1 - accepted

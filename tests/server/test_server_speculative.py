@@ -98,3 +98,50 @@ def test_a_draft_model_of_another_tokenizer_is_refused(scripted_qwen3, tmp_path)
     r = subprocess.run([sys.executable, "-m", "appliance", "--model", scripted_qwen3, "--spec", "none",
                         "--draft-model", scripted_qwen3], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--draft-model" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_draft_differing_in_one_special_flag_is_refused(tiny_qwen3_untied, tmp_path):
+    """The same vocabulary, but one added token not spelled <|...|> (<tool_call>) special in the draft's
+    tokenizer.json and not in the model's: refused at load, one line naming the token, exit status 2."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    draft = str(tmp_path / "special-flag")
+    shutil.copytree(tiny_qwen3_untied, draft)
+    path = f"{draft}/tokenizer.json"
+    with open(path) as f:
+        tok = json.load(f)
+    entry = next(t for t in tok["added_tokens"] if t["content"] == "<tool_call>")
+    assert entry["special"] is False
+    entry["special"] = True
+    with open(path, "w") as f:
+        json.dump(tok, f)
+    r = subprocess.run([sys.executable, "-m", "appliance", "--model", tiny_qwen3_untied, "--port", "0",
+                        "--draft-model", draft], capture_output=True, text=True, timeout=120)
+    errors = [line for line in r.stderr.splitlines() if "error:" in line]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert len(errors) == 1 and "tokenizer" in errors[0] and f"token {entry['id']} is special there" in errors[0], \
+        r.stderr
+
+
+def test_mtp_drafts_report_their_timings(cli_server, tiny_qwen3_5_mtp, tmp_path):
+    """--spec mtp on a Qwen3.5 checkpoint whose head is right by construction: the stream is --spec none's, and
+    the final chunk's timings and /metrics count the head's drafts, nearly all accepted."""
+    from tests.support.tiny_models import make_bigram_with_mtp
+    path = make_bigram_with_mtp(tiny_qwen3_5_mtp, str(tmp_path / "bigram"))
+    ports = {}
+    for name in ("mtp", "none"):
+        proc, ports[name] = cli_server(path, "--spec", name)
+        drain_stderr(proc)
+    greedy = {"temperature": 0, "max_tokens": 20, "ignore_eos": True}
+    pieces, timings = stream(ports["mtp"], **greedy)
+    plain, plain_timings = stream(ports["none"], **greedy)
+    assert pieces == plain and len(pieces) > 5
+    t = timings[-1]
+    assert t["draft_n"] >= 10 and t["draft_n_accepted"] >= 0.9 * t["draft_n"], t
+    assert "draft_n" not in plain_timings[-1]
+    m = metrics(ports["mtp"])
+    assert m["kestrel_draft_tokens_total"] == t["draft_n"]
+    assert m["kestrel_draft_tokens_accepted_total"] == t["draft_n_accepted"]
