@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from appliance.engine.generate import GenerationRequest
-from appliance.engine.load import ModelLoadError, load_model
+from appliance.engine.load import ModelLoadError, decoder_of, load_model
 from appliance.engine.load.gguf import open_gguf, read_metadata
 from appliance.engine.load.gguf_qwen35 import HeadOrder, grouped_heads, qwen35_config
 from appliance.engine.qwen3_5 import FULL, LINEAR, GatedDeltaNet, SharedExpertMoE
@@ -18,8 +18,10 @@ PROMPT = [151644, 872, 198, 9707, 11, 1246, 525, 498, 30, 151645, 198, 151644, 7
 LONG = (PROMPT * 9)[:120]  # two delta-rule chunks in one prefill
 GREEDY = SamplingParams(temperature=0.0)
 # max |log p(ours, GGUF) - log p(transformers)| over every position and vocabulary entry (measured: f32 4.4e-4 dense,
-# 1.6e-3 MoE; f16 4.2e-4 dense, 4.1e-3 MoE, as the Hugging Face directory's BF16 read in place gives: 4.2e-3)
-LOGPROB_BOUND = {"f32": 2e-3, "f16": 6e-3}
+# 1.6e-3 MoE; f16 4.2e-4 dense, 4.1e-3 MoE, as the Hugging Face directory's BF16 read in place gives: 4.2e-3; on an
+# AVX2-only AMD EPYC the MoE f32 file is 2.9e-3 off, its HF directory 4.2e-3: other kernels' rounding, which the
+# routing amplifies)
+LOGPROB_BOUND = {"f32": 4e-3, "f16": 6e-3}
 # max |logit(GGUF) - logit(HF directory)| / max |logit|: the same values in another container, read by other
 # matmul kernels (the directory's BF16 in place, the file's F32 / F16), over 8 layers of random weights (measured:
 # 3.6e-5 dense, 2.8e-4 MoE, whose routing amplifies the kernels' differences)
@@ -27,6 +29,9 @@ FILE_BOUND = 5e-4
 # llama.cpp on the same f32 file, teacher-forced one token at a time: max |logit diff| / max |logit| (measured:
 # 1.2e-4 dense; 4.5e-3 MoE, where llama.cpp is 40x farther from transformers than we are: 4.3e-2 vs 1.1e-3 abs)
 PEER_BOUND = {"dense": 1e-3, "moe": 1e-2}
+# a router tie: the k-th and (k+1)-th expert scores this close (measured on the AVX2 EPYC: 3.7e-5 / 7.9e-5 at one
+# position of the MoE f32 file, where the two files pick different experts; the next-closest gap was 4e-3)
+ROUTE_TIE = 1e-3
 
 
 @pytest.fixture(params=["dense", "moe"])
@@ -47,6 +52,35 @@ def log_softmax(x):
 def logits(path, ids):
     m = load_model(path, context_length=256).model
     return m.forward(np.array(ids), m.new_cache(256), "all")  # (T, vocab)
+
+
+def logits_and_router_scores(path, ids):
+    """The logits, each MoE layer's router scores of the same forward (none for a dense model) and the experts
+    a token is routed to."""
+    m = load_model(path, context_length=256).model
+    scores: list[np.ndarray] = []
+    for layer in decoder_of(m).layers:
+        if isinstance(layer.mlp, SharedExpertMoE):
+            def routed(x, moe=layer.mlp.routed):
+                scores.append(x @ moe.router.T)  # (T, experts)
+                return moe(x)
+            layer.mlp.routed = routed
+    top_k = decoder_of(m).config.num_experts_per_tok
+    return m.forward(np.array(ids), m.new_cache(256), "all"), scores, top_k  # (T, vocab), [(T, experts)], k
+
+
+def routing_ties(a: list[np.ndarray], b: list[np.ndarray], top_k: int) -> list[int]:
+    """Positions where two runs route a token to different experts; each must be a near-tie of the router in both
+    (the k-th and (k+1)-th scores within ROUTE_TIE): there the experts' outputs differ by design, not by a fault."""
+    flips = set()
+    for sa, sb in zip(a, b):
+        for p in range(len(sa)):
+            if set(np.argsort(-sa[p])[:top_k]) != set(np.argsort(-sb[p])[:top_k]):
+                for s in (sa[p], sb[p]):
+                    top = np.sort(s)[::-1]
+                    assert top[top_k - 1] - top[top_k] < ROUTE_TIE, f"position {p}: routing differs without a tie"
+                flips.add(p)
+    return sorted(flips)
 
 
 def rel(a, b):
@@ -89,13 +123,18 @@ def test_value_head_order_inverts_the_converters():
 
 @pytest.mark.parametrize("kind", ["f32", "f16"])
 def test_gguf_equals_hf_directory_and_transformers(files, kind):
-    want = logits(files["hf"], LONG)
-    got = logits(files[kind], LONG)
+    want, want_scores, top_k = logits_and_router_scores(files["hf"], LONG)
+    got, got_scores, _ = logits_and_router_scores(files[kind], LONG)
     with torch.no_grad():
         ref = reference(files["hf"])(torch.tensor([LONG])).logits[0].numpy()
+    ties = routing_ties(want_scores, got_scores, top_k)
+    assert len(ties) <= 2, ties  # a tie is rare: more would be a fault, not rounding
+    keep = np.setdiff1d(np.arange(len(LONG)), ties)
+    got, want, ref = got[keep], want[keep], ref[keep]
     diff = float(np.max(np.abs(log_softmax(got) - log_softmax(ref))))
     print(f"{files[kind].rsplit('/', 1)[-1]}: max |logit diff| vs HF directory {np.max(np.abs(got - want)):.2e} "
-          f"(rel {rel(got, want):.2e}); max |logprob diff| vs transformers {diff:.2e} over {len(LONG)} positions")
+          f"(rel {rel(got, want):.2e}); max |logprob diff| vs transformers {diff:.2e} over {len(keep)} positions "
+          f"(left out: {ties}, router near-ties that the two files break apart)")
     assert rel(got, want) <= FILE_BOUND
     assert diff <= LOGPROB_BOUND[kind]
     assert np.array_equal(got.argmax(-1), ref.argmax(-1))
