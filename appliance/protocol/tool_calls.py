@@ -56,16 +56,11 @@ def parse_call_body(body: str, call_id: str) -> dict[str, Any] | None:
     return {"id": call_id, "type": "function", "function": {"name": obj["name"], "arguments": args}}
 
 
-class ToolCallParser:
-    def __init__(self, new_id: Callable[[], str] = new_call_id):
-        self._new_id = new_id
-        self._buf = ""            # possible partial open tag (outside) or the block so far (inside)
-        self._inside = False
-        self._args_at = -1        # inside a streaming call: where its arguments start in _buf (-1: not yet)
-        self._scanned = 0         # characters of those arguments fed to _end
-        self._end = JsonValueEnd()
-        self._pending_nl = ""     # trailing newlines of content, dropped if a call follows
-        self.calls: list[dict[str, Any]] = []
+class ContentPieces:
+    """Content between tool calls, as both tool-call parsers emit it: merged into one piece, its trailing newlines
+    held back (dropped if a call follows, kept at the end when no call came)."""
+    _pending_nl: str
+    calls: list[dict[str, Any]]
 
     def _content(self, out: list[Piece], text: str, final: bool = False) -> None:
         text = self._pending_nl + text
@@ -78,6 +73,18 @@ class ToolCallParser:
                 out[-1] = ("content", out[-1][1] + body)
             else:
                 out.append(("content", body))
+
+
+class ToolCallParser(ContentPieces):
+    def __init__(self, new_id: Callable[[], str] = new_call_id):
+        self._new_id = new_id
+        self._buf = ""            # possible partial open tag (outside) or the block so far (inside)
+        self._inside = False
+        self._args_at = -1        # inside a streaming call: where its arguments start in _buf (-1: not yet)
+        self._scanned = 0         # characters of those arguments fed to _end
+        self._end = JsonValueEnd()
+        self._pending_nl = ""     # trailing newlines of content, dropped if a call follows
+        self.calls: list[dict[str, Any]] = []
 
     def _announce(self, out: list[Piece], call: dict[str, Any]) -> None:
         self._pending_nl = ""

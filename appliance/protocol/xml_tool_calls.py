@@ -44,7 +44,7 @@ import re
 from typing import Any, Callable, Iterable, Mapping
 
 from appliance.protocol.reasoning import _partial_tag_len
-from appliance.protocol.tool_calls import CLOSE_TAG, OPEN_TAG, Piece, new_call_id
+from appliance.protocol.tool_calls import CLOSE_TAG, OPEN_TAG, ContentPieces, Piece, new_call_id
 
 FUNCTION_OPEN = "<function="
 FUNCTION_CLOSE = "</function>"
@@ -94,7 +94,7 @@ def _could_become(buf: str, pattern: str) -> bool:
     return pattern.startswith(s) or s.startswith(pattern)
 
 
-class XmlToolCallParser:
+class XmlToolCallParser(ContentPieces):
     def __init__(self, new_id: Callable[[], str] = new_call_id,
                  tools: Iterable[Mapping[str, Any]] | bool | None = None):
         self._new_id = new_id
@@ -107,19 +107,7 @@ class XmlToolCallParser:
         self._pending_nl = ""
         self.calls: list[dict[str, Any]] = []
 
-    # -- output helpers (as tool_calls.ToolCallParser) ------------------------------------------------------------
-    def _content(self, out: list[Piece], text: str, final: bool = False) -> None:
-        text = self._pending_nl + text
-        body = text.rstrip("\n")
-        self._pending_nl = text[len(body):]
-        if final and not self.calls:
-            body, self._pending_nl = body + self._pending_nl, ""
-        if body:
-            if out and out[-1][0] == "content":
-                out[-1] = ("content", out[-1][1] + body)
-            else:
-                out.append(("content", body))
-
+    # -- output helpers ---------------------------------------------------------------------------------------------
     def _args(self, out: list[Piece], text: str) -> None:
         if text:
             self.calls[-1]["function"]["arguments"] += text
