@@ -15,8 +15,10 @@ pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 inst
 
 
 @pytest.mark.parametrize("name,flag", [("avx2", "avx2"), ("avx512", "avx512bw"), ("avx512_bf16", "avx512_bf16")])
-def test_probe_runs_exactly_when_the_cpu_lists_the_set(name, flag):
-    assert peer_isa.runs(name) == (flag in peer_isa.cpuinfo_flags())
+def test_probe_runs_what_the_cpu_lists(name, flag):
+    # a listed set runs; the converse does not hold on every VM: the AMD EPYC of 2026-12-04 hid AVX-512 from
+    # /proc/cpuinfo while executing it (the probe ran it), which is why the build trusts the probe, not the listing
+    assert peer_isa.runs(name) or flag not in peer_isa.cpuinfo_flags()
 
 
 def test_broken_probe_is_not_usable(monkeypatch):
