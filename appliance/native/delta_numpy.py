@@ -3,7 +3,7 @@ with its carried state, and the gated delta rule, token by token (decode) and ch
 
 Policy: float32 throughout; the recurrent state S of a value head is (dk, dv) and is updated in place. The
 chunked form is the same arithmetic regrouped: per chunk of C tokens and per head one unit-lower-triangular
-(C x C) solve gives the chunk's state corrections, then one state update; `tests/engine/test_delta_rule.py`
+(C x C) solve gives the chunk's state corrections, then one state update; `tests/engine/test_qwen3_5.py`
 holds it equal to the token loop. gated_delta_step and gated_delta_chunked are the twins of src/delta.c (same
 names and arguments in kernels.py; tests/native/test_native_delta.py fuzzes them against each other).
 
