@@ -5,9 +5,10 @@ rotary), each followed by a SwiGLU MLP or the sparse MoE block with a shared exp
 Policy: float32 activations; the cache (recurrent_cache.HybridCache) is passed in, never held. Norm weights are
 used as given: the checkpoint's zero-centred RMSNorm weights (applied as 1 + w) are shifted by the loader, the
 gated output norm's are not. Text positions are the same on all three M-RoPE axes, so the full-attention layers
-rotate the first `rotary_dim` dims of each head with plain RoPE. Prefill runs the chunked delta rule
-(`delta_chunk` tokens a chunk), decode the one-token recurrence: native/delta_numpy.py, or its C twins
-(src/delta.c) when the library is there (`delta`, chosen at load), the causal conv1d before it likewise.
+rotate the first `rotary_dim` dims of each head with plain RoPE. Decode runs the one-token recurrence,
+prefill `delta.prefill`: in numpy (native/delta_numpy.py) the chunked delta rule, `delta_chunk` tokens a chunk;
+with the library (src/delta.c, `delta` chosen at load) the C token loop, which measured faster than the chunked
+form at these widths (layer_runner.native_delta); the causal conv1d before it likewise in C.
 """
 from __future__ import annotations
 
