@@ -53,6 +53,27 @@ def test_fuzzed_shapes_match_the_twins():
         assert close(got, want, 1e-4) and close(s_c, s_np, 1e-4), (T, nh, dk, dv, chunk)
 
 
+def test_wide_heads_match_the_twins_and_split_tokens_alike():
+    """The token loop's paths at real widths: full 32-column blocks in registers (dv 32, 64, 128), a narrower last
+    block (dv 80, 40), key widths past the 32 KB stack block (dk 300: the state in place); and a token's result
+    does not depend on how many tokens one call holds (decode == prefill, the verify pass's one-by-one calls)."""
+    rng = np.random.default_rng(36)
+    for T, nh, dk, dv in [(17, 2, 128, 128), (9, 3, 16, 32), (33, 1, 64, 64), (12, 2, 128, 80), (7, 2, 300, 40),
+                          (5, 1, 300, 64), (1, 4, 128, 128)]:
+        q, k, v, g, beta, s0 = operands(rng, T, nh, dk, dv)
+        s_np, s_c = s0.copy(), s0.copy()
+        want = delta_numpy.gated_delta_step(q, k, v, g, beta, s_np)
+        got = kernels.gated_delta_step(q, k, v, g, beta, s_c)
+        assert close(got, want) and close(s_c, s_np), (T, nh, dk, dv)
+        s_one = s0.copy()
+        one = np.concatenate([kernels.gated_delta_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1],
+                                                       beta[t:t + 1], s_one) for t in range(T)])
+        assert np.array_equal(one, got) and np.array_equal(s_one, s_c), (T, nh, dk, dv)
+        s_ch = s0.copy()
+        got_ch = kernels.gated_delta_chunked(q, k, v, g, beta, s_ch, 8)
+        assert close(got_ch, want, 1e-4) and close(s_ch, s_np, 1e-4), (T, nh, dk, dv)
+
+
 @pytest.mark.parametrize("chunk", [1, 7, 64])
 def test_chunked_kernel_equals_the_token_loop(chunk):
     q, k, v, g, beta, s0 = operands(np.random.default_rng(1), 150, 4, 32, 24)
