@@ -3,14 +3,18 @@ with the numpy twins (native/delta_numpy.py) as the reference point measured in 
 (kq_gated_delta_step: decode at T = 1, and the runtime's prefill) and the chunked form (kq_gated_delta_chunked,
 chunks of 64) over the Qwen3.5-2B's linear-attention width (16 value heads, dk = dv = 128) at T = 1 and T = 256,
 1 and 2 pool threads. Best of 3 rounds of wall time per call; ratios against library A (below 1: faster).
+--a76: the token loop's inner loops on the board's cores instead (bench/a76_mca.py: clang for aarch64, llvm-mca's
+Neoverse-N1 model for the Cortex-A76 and its Cortex-A55 model), cycles per key row of a 32-column block and per
+token and head at dk = dv = --dim.
 
-    python bench/delta_bench.py [--a /tmp/base.so] [--b appliance/native/_kestrel_native.so] [--heads 16]
+    python bench/delta_bench.py [--a /tmp/base.so] [--b appliance/native/_kestrel_native.so] [--heads 16] [--a76]
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
 import os
+import re
 import sys
 import time
 
@@ -49,13 +53,37 @@ def best_ms(fn, reps: int, rounds: int = 3) -> float:
     return best * 1e3
 
 
+def board_cycles(d: int) -> int:
+    """The token loop's two passes over a key row of a 32-column block (S^T k with S^T q; the state update), cut
+    from clang's aarch64 assembly of src/delta.c's step_block32, and the cycles of one token and head."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import a76_mca
+    src_dir = os.path.join(ROOT, "appliance", "native", "src")
+    asm = a76_mca.compile_asm(open(os.path.join(src_dir, "delta.c")).read(), [src_dir], flags=["-ffp-contract=off"])
+    loops = a76_mca.innermost_loops(a76_mca.find_function(a76_mca.functions(asm), "step_block32"))
+    float_ops = [sum(1 for ln in lp if re.search(r"\bf(?:mul|add|sub)\b", ln)) for lp in loops]
+    passes = [lp for lp, n in zip(loops, float_ops) if n >= 24]  # the two passes: 8 vectors of 4 lanes each
+    if len(passes) != 2:
+        raise SystemExit(f"expected the token loop's two passes in step_block32, found loops with {float_ops} float ops")
+    print(f"dk = dv = {d}: 32-column blocks, {d // 32} per head, {d} key rows each")
+    for core in ("a76", "a55"):
+        per_row = [a76_mca.mca(lp, core).cycles for lp in passes]
+        token_head = sum(per_row) * d * (d // 32)
+        print(f"{core}: read pass {per_row[0]:.1f} + write pass {per_row[1]:.1f} cycles per key row; "
+              f"{token_head / 1e3:.1f}K cycles per token and head (both passes, without the k.q dot)")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--a", default=None, help="library A (the baseline); default: only B")
     ap.add_argument("--b", default=os.path.join(ROOT, "appliance", "native", "_kestrel_native.so"))
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--a76", action="store_true", help="llvm-mca cycles of the token loop on Cortex-A76 / A55")
     args = ap.parse_args(argv)
+    if args.a76:
+        return board_cycles(args.dim)
     libs = {"B": load(args.b)} if args.a is None else {"A": load(args.a), "B": load(args.b)}
     nh, d = args.heads, args.dim
     rng = np.random.default_rng(0)
