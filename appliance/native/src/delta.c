@@ -104,18 +104,17 @@ static inline void step_block(const struct step_ctx *c, int64_t h, int64_t j0, i
 KQ_CLONES static void step_task(void *c_, int64_t u0, int64_t u1) {
     const struct step_ctx *c = c_;
     float blk[DELTA_LOCAL];
+    const int local = c->dk * DELTA_W <= DELTA_LOCAL; /* else a key width past the stack block: the state in place */
     for (int64_t u = u0; u < u1; u++) {
         int64_t h = u / c->nblk, j0 = (u % c->nblk) * DELTA_W, W = c->dv - j0 < DELTA_W ? c->dv - j0 : DELTA_W;
-        float *S = c->state + h * c->dk * c->dv + j0;
-        if (c->dk * DELTA_W > DELTA_LOCAL) {  /* a key width past the stack block: in place */
-            if (W == DELTA_W) step_block32(c, h, j0, S, c->dv);
-            else step_block(c, h, j0, W, S, c->dv);
-            continue;
-        }
-        for (int64_t i = 0; i < c->dk; i++) memcpy(blk + i * W, S + i * c->dv, sizeof(float) * (size_t)W);
-        if (W == DELTA_W) step_block32(c, h, j0, blk, DELTA_W);
-        else step_block(c, h, j0, W, blk, W);
-        for (int64_t i = 0; i < c->dk; i++) memcpy(S + i * c->dv, blk + i * W, sizeof(float) * (size_t)W);
+        float *S = c->state + h * c->dk * c->dv + j0, *B = local ? blk : S;
+        int64_t ld = local ? W : c->dv;
+        if (local)
+            for (int64_t i = 0; i < c->dk; i++) memcpy(blk + i * W, S + i * c->dv, sizeof(float) * (size_t)W);
+        if (W == DELTA_W) step_block32(c, h, j0, B, ld);
+        else step_block(c, h, j0, W, B, ld);
+        if (local)
+            for (int64_t i = 0; i < c->dk; i++) memcpy(S + i * c->dv, blk + i * W, sizeof(float) * (size_t)W);
     }
 }
 
@@ -188,15 +187,15 @@ static inline void chunk_head(const float *q, const float *k, const float *v, co
 
 struct chunk_ctx {
     const float *q, *k, *v, *g, *beta;
-    int64_t T, nh, dk, dv, chunk, C;
+    int64_t T, nh, dk, dv, chunk, C, per; /* per: scratch floats of one head, G (C), L (C*C), D (C*dv) */
     float *state, *scratch, *out;
 };
 
 KQ_CLONES static void chunk_task(void *c_, int64_t h0, int64_t h1) {  /* heads h0..h1-1, every chunk in order */
     const struct chunk_ctx *c = c_;
-    int64_t C = c->C, per = C + C * C + C * (c->dv > 0 ? c->dv : 1);
+    int64_t C = c->C;
     for (int64_t h = h0; h < h1; h++) {
-        float *G = c->scratch + h * per, *L = G + C, *D = L + C * C;
+        float *G = c->scratch + h * c->per, *L = G + C, *D = L + C * C;
         for (int64_t t0 = 0; t0 < c->T; t0 += c->chunk) {
             int64_t n = c->T - t0 < c->chunk ? c->T - t0 : c->chunk;
             chunk_head(c->q, c->k, c->v, c->g, c->beta, t0, n, h, c->nh, c->dk, c->dv, c->state + h * c->dk * c->dv,
@@ -210,9 +209,10 @@ int kq_gated_delta_chunked(const float *q, const float *k, const float *v, const
     if (chunk < 1) return -1;
     int64_t C = chunk < T ? chunk : T;
     if (C < 1 || nh < 1) return 0;
-    float *scratch = malloc(sizeof(float) * (size_t)(nh * (C + C * C + C * (dv > 0 ? dv : 1))));  /* per head */
+    int64_t per = C + C * C + C * (dv > 0 ? dv : 1);
+    float *scratch = malloc(sizeof(float) * (size_t)(nh * per));
     if (!scratch) return -2;
-    struct chunk_ctx c = {q, k, v, g, beta, T, nh, dk, dv, chunk, C, state, scratch, out};
+    struct chunk_ctx c = {q, k, v, g, beta, T, nh, dk, dv, chunk, C, per, state, scratch, out};
     kq_parallel_for(nh, 1, chunk_task, &c);
     free(scratch);
     return 0;
