@@ -185,6 +185,12 @@ def test_activation_rounding_is_half_to_even(level):
     x[0, 1:6] = [0.5, 1.5, 2.5, -0.5, -2.5]
     for f in (kernels.quantize_q8_32, twins.quantize_q8_32):
         assert f(x)["q"][0, 0, :6].tolist() == [127, 0, 2, 2, 0, -2]
+    x256 = np.zeros((1, 256), np.float32)
+    x256[0, :32] = x[0]
+    x256[0, 200:203] = [-126.5, 125.5, -3.5]
+    for f in (kernels.quantize_q8_K, twins.quantize_q8_K):
+        q = f(x256)["q"][0, 0]
+        assert q[:6].tolist() == [127, 0, 2, 2, 0, -2] and q[200:203].tolist() == [-126, 126, -4]
 
 
 @pytest.mark.parametrize("qtype", list(QType), ids=lambda t: t.name)
