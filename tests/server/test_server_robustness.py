@@ -10,6 +10,7 @@ against its own quiet baseline in the same run; memory budgets are the documente
 from __future__ import annotations
 
 import base64
+import gc
 import io
 import json
 import os
@@ -97,6 +98,17 @@ def assert_gaps_normal(quiet: list[float], attack: list[float]) -> None:
 
 def loop_now(server) -> float:
     return trio.from_thread.run_sync(trio.current_time, trio_token=server.token)
+
+
+@pytest.fixture(autouse=True)
+def _collected_heap():
+    """These servers run in the test process, whose heap holds every earlier test's objects; the real one freezes
+    its start's objects out of the cyclic collector (cli.start_done). A full collection of that heap falling
+    inside an attack window holds the GIL, so the loop, for its duration: the likely cause (not proven) of the
+    one full-suite failure of the huge-prompt test, 103.7 ms against the 100 ms bound, 15-21 ms when run alone.
+    One collection before each test leaves the next full pass far off."""
+    gc.collect()
+    yield
 
 
 def assert_loop_responsive(server, quiet: tuple[float, float], attack: tuple[float, float]) -> None:
