@@ -99,13 +99,15 @@ class LlamaCppPeer:
     """One llama.cpp model in a child process of the peer venv."""
 
     def __init__(self, model_path: str, n_threads: int = 2, n_ctx: int = 1024, embedding: bool = False,
-                 prompt_lookup: int = 0):
+                 prompt_lookup: int = 0, flash_attn: bool = False):
         """embedding: llama.cpp's embedding mode (the file's pooling_type, normalised pooled vectors: `embed`);
-        prompt_lookup: drafts of that many tokens from llama-cpp-python's LlamaPromptLookupDecoding (`generate`)."""
+        prompt_lookup: drafts of that many tokens from llama-cpp-python's LlamaPromptLookupDecoding (`generate`);
+        flash_attn: llama.cpp's flash attention (llama-server's `-fa auto` turns it on for the CPU;
+        llama-cpp-python's default, kept here, leaves it off)."""
         self.proc = subprocess.Popen([ensure_peer(), os.path.abspath(__file__), "serve"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, bufsize=1)
         self.info = self._call(op="load", path=os.path.abspath(model_path), n_threads=n_threads, n_ctx=n_ctx,
-                               embedding=embedding, prompt_lookup=prompt_lookup)
+                               embedding=embedding, prompt_lookup=prompt_lookup, flash_attn=flash_attn)
 
     def _call(self, **req):
         return call_child(self.proc, "llama.cpp peer", req)
@@ -202,7 +204,8 @@ def _serve() -> None:
             llm = llama_cpp.Llama(req["path"], n_ctx=req["n_ctx"], n_threads=req["n_threads"],
                                   n_threads_batch=req["n_threads"], n_batch=batch, n_ubatch=batch,
                                   logits_all=draft is not None,  # (its scores buffer is sized by this flag)
-                                  embedding=emb, draft_model=draft, verbose=False)
+                                  embedding=emb, draft_model=draft, flash_attn=bool(req.get("flash_attn")),
+                                  verbose=False)
             return {"version": llama_cpp.__version__, "n_vocab": llm.n_vocab()}
         if op == "embed":  # one text per decode (llama-server's /v1/embeddings with one slot does the same)
             vectors, n_tokens, t0 = [], 0, time.perf_counter()

@@ -1,0 +1,140 @@
+"""Decode at context: tok/s of one decoded token after a prompt of P tokens (P = 1K, 8K, 32K), ours against
+llama.cpp (llama-cpp-python, bench/peer.py) on the same GGUF, float16 KV caches on both sides, in one run.
+
+    python bench/context_bench.py [--positions 1024,8192,32768] [--layers 2] [--threads 2] [--decode 32]
+
+Policy:
+- The model is the Qwen3-1.7B shape (16 query / 8 KV heads, head_dim 128: Qwen3-VL-2B's text side too) at
+  `--layers` of its 28 layers, Q4_0 blocks written directly (bench/gguf_bench.py's random file; attention does not
+  read the weights' type). A whole 28-layer 32K prefill takes too long on a small machine; attention's cost per
+  token is per layer, so a few layers measure it, and `attention ms` below scales to any depth.
+- llama.cpp twice: with flash attention (llama-server's default, `-fa auto`, turns it on for the CPU) and without
+  (llama-cpp-python's default). Without it llama.cpp keeps V transposed and multiplies through mul_mat.
+- Per position: decode tok/s of each engine (the prompt prefilled once, then `--decode` tokens greedily), the
+  ratios, and `attention ms`: (1 / tok/s at P - 1 / tok/s at the shortest prompt) / layers, the time each layer's
+  attention adds to a token at P. The shortest prompt runs first and last, its faster run kept (the first decode
+  after a load runs slower on a cold machine). And the share of the bandwidth limit at P: weights + the KV read per token
+  (2 x layers x 8 x 128 x P x 2 bytes) over a single-threaded copy's bandwidth.
+- Prefill tok/s are printed too; at 32K they are mostly attention (quadratic), which is not this bench's subject.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import gguf_bench as gb  # noqa: E402  (a sibling; bench/ is not a package)
+
+from appliance.engine.generate import GenerationRequest  # noqa: E402
+from appliance.engine.load import load_model  # noqa: E402
+from appliance.engine.sampling import SamplingParams  # noqa: E402
+from appliance.native import kernels  # noqa: E402
+from tests.support.gguf_files import peer_module  # noqa: E402
+
+SHORT = 16  # the reference prompt: a token's cost with (almost) no context
+
+
+def kv_bytes_per_token(shape: dict, position: int) -> int:
+    """Bytes of float16 keys and values one decoded token reads at `position`."""
+    return 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * position * 2
+
+
+def prompt_of(n: int, vocab: int) -> list[int]:
+    rng = np.random.default_rng(0)
+    return [int(t) for t in rng.integers(100, min(vocab, 30000), n)]
+
+
+class Ours:
+    def __init__(self, path: str, context: int):
+        self.lm = load_model(path, context_length=context, kv_type="f16")
+        self.lm.engine.reuse_prefix = False  # every run prefills its whole prompt
+
+    def run(self, position: int, decode: int) -> tuple[float, float]:
+        """(prefill tok/s, decode tok/s) of one greedy generation after a prompt of `position` tokens."""
+        req = GenerationRequest(prompt_of(position, self.lm.config.vocab_size), SamplingParams(temperature=0.0),
+                                max_tokens=decode, ignore_eos=True)
+        fin = list(self.lm.engine.generate(req))[-1]
+        return position / (fin.timings.prefill_ms / 1000.0), fin.timings.tok_s
+
+
+def measure(path: str, shape: dict, positions: list[int], threads: int, decode: int) -> dict[str, dict[int, tuple]]:
+    """side -> position -> (prefill tok/s, decode tok/s). The engines run one after another (not at once)."""
+    context = max(positions) + decode + 8
+    out: dict[str, dict[int, tuple]] = {}
+    kernels.set_threads(threads)
+    ours = Ours(path, context)
+    ours.run(SHORT, 4)  # weights paged in, pools built
+    out["ours"] = {}
+    for p in positions:
+        out["ours"][p] = ours.run(p, decode)
+        print(f"ours       P={p:>6}: prefill {out['ours'][p][0]:8.1f} tok/s, decode {out['ours'][p][1]:7.2f} tok/s",
+              file=sys.stderr, flush=True)
+    out["ours"][SHORT] = max(out["ours"][SHORT], ours.run(SHORT, decode), key=lambda r: r[1])
+    del ours
+    peer = peer_module()
+    for label, fa in (("llama.cpp FA", True), ("llama.cpp", False)):
+        out[label] = {}
+        with peer.LlamaCppPeer(path, n_threads=threads, n_ctx=context, flash_attn=fa) as theirs:
+            theirs.bench(SHORT, 4, runs=1, warmup=False)
+            for p in positions:
+                r = theirs.bench(p, decode, runs=1, warmup=False)
+                out[label][p] = (r["prefill_tok_s"], r["decode_tok_s"])
+                print(f"{label:<12} P={p:>6}: prefill {r['prefill_tok_s']:8.1f} tok/s, decode "
+                      f"{r['decode_tok_s']:7.2f} tok/s", file=sys.stderr, flush=True)
+            r = theirs.bench(SHORT, decode, runs=1, warmup=False)
+            out[label][SHORT] = max(out[label][SHORT], (r["prefill_tok_s"], r["decode_tok_s"]), key=lambda r: r[1])
+    return out
+
+
+def report(res: dict, shape: dict, positions: list[int], weight_bytes: int, bandwidth: float) -> str:
+    sides = list(res)
+    head = "| P | " + " | ".join(f"{s} decode tok/s" for s in sides) + " | " + \
+        " | ".join(f"ours / {s}" for s in sides[1:]) + " | " + " | ".join(f"{s} attention ms / layer" for s in sides) + \
+        " | bandwidth limit tok/s | " + " | ".join(f"{s} of limit" for s in sides) + " | " + \
+        " | ".join(f"{s} prefill tok/s" for s in sides) + " |"
+    lines = [head, "|" + " ---: |" * (head.count("|") - 1)]
+    base = positions[0]
+    for p in positions:
+        limit = bandwidth / (weight_bytes + kv_bytes_per_token(shape, p))
+        dec = [res[s][p][1] for s in sides]
+        att = [(1 / res[s][p][1] - 1 / res[s][base][1]) * 1000 / shape["layers"] for s in sides]
+        lines.append(f"| {p} | " + " | ".join(f"{d:.2f}" for d in dec) + " | " +
+                     " | ".join(f"{dec[0] / d:.2f}" for d in dec[1:]) + " | " +
+                     " | ".join("-" if p == base else f"{a:.3f}" for a in att) + f" | {limit:.1f} | " +
+                     " | ".join(f"{d / limit:.0%}" for d in dec) + " | " +
+                     " | ".join(f"{res[s][p][0]:.0f}" for s in sides) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--positions", default="1024,8192,32768")
+    ap.add_argument("--layers", type=int, default=2, help="of the 1.7B shape's 28")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--decode", type=int, default=32)
+    a = ap.parse_args(argv)
+    positions = sorted({SHORT, *(int(x) for x in a.positions.split(","))})
+    shape = dict(gb.QWEN3_1_7B, layers=a.layers)
+    path = gb.write_random_qwen3(os.path.join(gb.CACHE, f"random-qwen3-1.7b-{a.layers}l-q4_0.gguf"), "Q4_0", shape)
+    wb = gb.weight_bytes_per_token(path)
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    print(f"# {cpu}, {os.cpu_count()} CPUs, {a.threads} threads, load {os.getloadavg()[0]:.1f}; Qwen3-1.7B shape at "
+          f"{a.layers} of 28 layers, Q4_0, f16 KV, {a.decode} decoded tokens per position", flush=True)
+    t0 = time.perf_counter()
+    res = measure(path, shape, positions, a.threads, a.decode)
+    bandwidth = gb.copy_bandwidth()
+    print(report(res, shape, positions, wb, bandwidth))
+    print(f"\n# copy bandwidth {bandwidth / 1e9:.1f} GB/s, weights {wb / 1e6:.0f} MB per token, load "
+          f"{os.getloadavg()[0]:.1f}, {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
