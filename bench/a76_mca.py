@@ -160,8 +160,9 @@ def _is_insn(ln: str) -> bool:
 _BRANCH = re.compile(r"^(b|b\.\w+|cbn?z|tbn?z|bl)\s+(.*)$")
 
 
-def innermost_loops(body: list[str]) -> list[list[str]]:
-    """The bodies (instruction lines, branch included) of the loops of a function that hold no other loop."""
+def loop_spans(body: list[str]) -> tuple[list[str], list[tuple[int, int]]]:
+    """A function's normalized lines and its loops as (first, last) line indexes: from the label a backward branch
+    goes to, to that branch."""
     lines = _normalize(body)
     named: dict[str, int] = {}
     numeric: list[tuple[str, int]] = []
@@ -184,8 +185,22 @@ def innermost_loops(body: list[str]) -> list[list[str]]:
                 loops.append((prior[-1], i))
         elif target in named and named[target] < i:
             loops.append((named[target], i))
-    inner = [lp for lp in loops if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in loops)]
-    return [disassemble_inst([ln for ln in lines[a:b + 1] if _is_insn(ln)]) for a, b in inner]
+    return lines, loops
+
+
+def innermost(loops: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    return [lp for lp in loops if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in loops)]
+
+
+def insns(lines: list[str]) -> list[str]:
+    """The instructions among normalized lines (labels and directives dropped, `.inst` words disassembled)."""
+    return disassemble_inst([ln for ln in lines if _is_insn(ln)])
+
+
+def innermost_loops(body: list[str]) -> list[list[str]]:
+    """The bodies (instruction lines, branch included) of the loops of a function that hold no other loop."""
+    lines, loops = loop_spans(body)
+    return [insns(lines[a:b + 1]) for a, b in innermost(loops)]
 
 
 def dots(loop: list[str]) -> int:
@@ -243,8 +258,35 @@ class Cost:
     instructions: int
 
 
-def mca(loop: list[str], core: str) -> Cost:
-    """llvm-mca's steady-state cycles per iteration of a loop body on 'a76' or 'a55'."""
+_ST_POST = re.compile(r"^(st\w*)\s+(.*),\s*\[(x\d+|sp)\],\s*#?(-?\w+)$")
+_ST_PRE = re.compile(r"^(st\w*)\s+(.*),\s*\[(x\d+|sp),\s*#?(-?\w+)\]!$")
+
+
+def split_store_writeback(loop: list[str]) -> list[str]:
+    """Stores with base-register writeback (`str q0, [x1], #16`, `stp .., [x1, #32]!`) as the store and an `add` of
+    the base. LLVM's Neoverse N1 model makes the written-back base wait for the store's data, so a loop whose next
+    addresses come from it runs at the latency of the whole data chain (ggml_vec_mad_f16: 15 cycles per 32 fp16
+    FMAs, 8.0 split; ops.c's exp loop 76 cycles per 4 scores, 29 split); the cores update the base in the address
+    uop. Opt-in (bench/a76_context.py uses it; the kernel table of bench/a76_model.py does not)."""
+    out = []
+    for ln in loop:
+        post, pre = _ST_POST.match(ln), _ST_PRE.match(ln)
+        m = post or pre
+        if not m:
+            out.append(ln)
+            continue
+        op, regs, base, inc = m.groups()
+        neg = inc.startswith("-")
+        add = f"{'sub' if neg else 'add'}\t{base}, {base}, " + (f"#{inc.lstrip('-')}" if inc.lstrip("-")[0].isdigit()
+                                                                  else inc)
+        out += [f"{op}\t{regs}, [{base}]", add] if post else [add, f"{op}\t{regs}, [{base}]"]
+    return out
+
+
+def mca(loop: list[str], core: str, split_wb: bool = False) -> Cost:
+    """llvm-mca's steady-state cycles per iteration of a loop body on 'a76' or 'a55' (split_wb: stores' base
+    writeback as separate adds, split_store_writeback)."""
+    loop = split_store_writeback(loop) if split_wb else loop
     text = "\n".join(ln for ln in loop if _is_insn(ln)) + "\n"
     r = subprocess.run([tools()["mca"], "-mtriple=aarch64", f"-mcpu={MCA_CPU[core]}", f"-iterations={ITERATIONS}",
                         "-skip-unsupported-instructions=lack-sched"],

@@ -236,18 +236,26 @@ class Shape:
     mats: tuple[tuple[str, int, int], ...]  # (role, rows, n) per layer: weights read per token
     layers: int
     head: tuple[int, int]                   # output head (vocab, hidden)
+    heads: int = 0                          # attention geometry (bench/a76_context.py): query heads, KV heads,
+    kv_heads: int = 0                       # head_dim
+    head_dim: int = 0
 
 
 QWEN3_1_7B = Shape("Qwen3-1.7B", (("attn", 2048, 2048), ("attn", 1024, 2048), ("attn_v", 1024, 2048),
                                   ("attn", 2048, 2048), ("ffn", 6144, 2048), ("ffn", 6144, 2048),
-                                  ("ffn_down", 2048, 6144)), 28, (151936, 2048))
+                                  ("ffn_down", 2048, 6144)), 28, (151936, 2048), 16, 8, 128)
 QWEN3_4B = Shape("Qwen3-4B", (("attn", 4096, 2560), ("attn", 1024, 2560), ("attn_v", 1024, 2560),
                               ("attn", 2560, 4096), ("ffn", 9728, 2560), ("ffn", 9728, 2560),
-                              ("ffn_down", 2560, 9728)), 36, (151936, 2560))
+                              ("ffn_down", 2560, 9728)), 36, (151936, 2560), 32, 8, 128)
 QWEN3_30B_A3B = Shape("Qwen3-30B-A3B (8 of 128 experts)", (("attn", 4096, 2048), ("attn", 512, 2048),
                                                            ("attn_v", 512, 2048), ("attn", 2048, 4096),
                                                            ("expert", 8 * 768, 2048), ("expert", 8 * 768, 2048),
-                                                           ("expert_down", 8 * 2048, 768)), 48, (151936, 2048))
+                                                           ("expert_down", 8 * 2048, 768)), 48, (151936, 2048),
+                      32, 4, 128)
+# not in report's weight table (hidden 576 is no multiple of 256: no K-quant file); bench/a76_context.py's
+SMOLLM2_135M = Shape("SmolLM2-135M", (("attn", 576, 576), ("attn", 192, 576), ("attn_v", 192, 576), ("attn", 576, 576),
+                                      ("ffn", 1536, 576), ("ffn", 1536, 576), ("ffn_down", 576, 1536)), 30,
+                     (49152, 576), 9, 3, 64)
 
 
 def file_types(ftype: str, role: str) -> list[tuple[str, float]]:
@@ -349,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bw", type=float, default=20.0, help="board read bandwidth, GB/s")
     ap.add_argument("--ghz", type=float, default=2.4)
     ap.add_argument("--cores", type=int, default=4)
+    ap.add_argument("--no-context", action="store_true", help="without bench/a76_context.py's decode-at-context table")
     a = ap.parse_args(argv)
     kernels = [k for k in KERNELS if k.func in QUICK] if a.quick else KERNELS
     ggml = None if a.quick else llama_src(a.llama_src)
@@ -358,7 +367,11 @@ def main(argv: list[str] | None = None) -> int:
         before = measure([k for k in kernels if k.side == "ours"], None, a.before or OURS_SRC, gcc=a.gcc,
                          strict=False)
     label = ("A76 before" if a.before else "A76") + (" (GCC)" if a.gcc else "")
-    print(report(res, {"bw": a.bw, "ghz": a.ghz, "cores": a.cores}, before, label))
+    board = {"bw": a.bw, "ghz": a.ghz, "cores": a.cores}
+    print(report(res, board, before, label))
+    if not (a.quick or a.no_context):
+        import a76_context  # imports this module: only here
+        print("\n" + a76_context.context_report(res, board, a76_context.measure(ggml, a.ours_src, a.cores)))
     return 0
 
 

@@ -113,3 +113,66 @@ def test_board_prediction_is_bounded_by_bandwidth(ours):
     p = a76_model.predict(costs, a76_model.QWEN3_1_7B, "Q4_0", "ours", board)
     assert 0 < p["decode"] <= p["bw_limit"] + 1e-9 and p["decode"] <= p["compute_limit"] + 1e-9
     assert 0.9 < p["gb"] < 1.1  # 1.72 G weights at 4.5 bits
+
+
+# ---- bench/a76_context.py: decode at context ----
+
+BOARD = {"bw": 20.0, "ghz": 2.4, "cores": 4}
+
+
+def test_kv_bytes_and_the_decode_split_follow_the_shapes():
+    import a76_context as ctx
+    # Qwen3-1.7B at 32K: 28 layers x K and V x 8 KV heads x 128 x 32768 positions x 2 bytes = 3.76 GB per token
+    assert ctx.kv_bytes(a76_model.QWEN3_1_7B, 32768) == 28 * 2 * 8 * 128 * 32768 * 2 == 3_758_096_384
+    assert ctx.kv_bytes(a76_model.SMOLLM2_135M, 1024) == 30 * 2 * 3 * 64 * 1024 * 2
+    # kq_attention's decode groups on 4 threads: 1.7B 2 query heads a task, 30B-A3B 8, SmolLM2's 3 split to 1
+    assert [ctx.ours_group(h, kv, 4) for h, kv in ((16, 8), (32, 8), (32, 4), (9, 3))] == [2, 4, 8, 1]
+    # SmolLM2's 9 tasks on 4 threads: KV heads 1 and 2 span two rounds, read twice once a round overflows the caches
+    assert ctx.ours_reads(3, 3, 4, 1 << 10) == 1 and ctx.ours_reads(3, 3, 4, 8 << 20) == 5 / 3
+
+
+def _synthetic(per_key: float) -> dict:
+    c = {"softmax": 0.0, "dot": (per_key, 32, 0.0), "mad": (per_key, 32, 0.0), "soft_max": 0.0, "expf": 0.0}
+    for hd, g in ((64, 1), (128, 2), (128, 4), (128, 8)):
+        c[("score", hd, g)] = c[("pv", hd, g)] = per_key * g * hd / 32
+    return c
+
+
+def test_attention_rises_with_context_and_is_bounded_by_bandwidth_and_compute():
+    import a76_context as ctx
+    shape = a76_model.QWEN3_1_7B
+    for per_key in (0.01, 200.0):  # bus-bound, compute-bound
+        c = _synthetic(per_key)
+        for side in ctx.SIDES:
+            a = [ctx.attention(c, shape, p, side, BOARD) for p in (1024, 8192, 32768)]
+            assert a[0]["s"] < a[1]["s"] < a[2]["s"], side
+            for r in a:
+                assert r["s"] >= r["bytes"] / 20e9 - 1e-12 and r["s"] >= r["compute_s"] - 1e-12
+    # nearly free compute: ours is exactly one read of the cache over the bus
+    a = ctx.attention(_synthetic(0.01), shape, 32768, "ours", BOARD)
+    assert abs(a["s"] * shape.layers - ctx.kv_bytes(shape, 32768) / 20e9) < 1e-9
+    # at 32K the KV read (0.188 s) is most of the token: 1.7B Q4_0 falls from its weight-bound 20.7 tok/s to ~4.2
+    w = {(s, "decode", "Q4_0"): 3.0 for s in ("ours", "llama.cpp")}
+    d = [ctx.decode_at(_synthetic(0.01), w, shape, "Q4_0", "ours", p, BOARD) for p in ctx.CONTEXTS]
+    assert all(x["decode"] <= x["limit"] * (1 + 1e-9) for x in d)
+    assert d[0]["decode"] > d[1]["decode"] > d[2]["decode"] > d[3]["decode"]
+    assert 4.0 < d[3]["decode"] < 4.4 and d[3]["share"] > 0.99
+
+
+def test_store_writeback_is_split_off():
+    assert a76_mca.split_store_writeback(["str\tq5, [x1], 16", "stp\tx1, x2, [sp, #-16]!", "ldr\tq1, [x1], 16"]) == [
+        "str\tq5, [x1]", "add\tx1, x1, #16", "sub\tsp, sp, #16", "stp\tx1, x2, [sp]", "ldr\tq1, [x1], 16"]
+
+
+def test_attention_kernels_get_costs_that_amortise_over_the_group():
+    import a76_context as ctx
+    c = ctx.measure(a76_model.llama_src(fetch=False))
+    hd = 128
+    for kind in ("score", "pv"):
+        assert 0 < c[(kind, hd, 2)] < c[(kind, hd, 4)] < c[(kind, hd, 8)]
+        # a wider tile widens each f16 key or value vector once for more query rows
+        assert c[(kind, hd, 8)] / 8 < c[(kind, hd, 2)] / 2
+    assert 0 < c["softmax"] < 50
+    if "dot" in c:  # the peer's source was there
+        assert c["dot"][1] == c["mad"][1] == 32 and 0 < ctx._call(c["dot"], hd) < ctx._call(c["dot"], 2 * hd)
+        assert c["soft_max"] > 0
