@@ -3,8 +3,8 @@ multi-token tiles) and attention's probability x value tiles over float16 and fl
 llama.cpp's equivalents on a Cortex-A76, through the same llvm-mca machinery (bench/a76_mca.py).
 
 Policy:
-- Ours: the dotprod level's float tiles (matmul_float.inc, 4 rows x NCF = 6 columns, f32 FMA chains; F16 and BF16
-  widened to f32 in registers: fcvtl, shll #16) and its probability x value tile (matmul_pv.inc, PVR = 6 rows x
+- Ours: the dotprod level's float tiles (matmul_float.inc, 4 rows x NCF = 6 columns for F32, NCF16 = 5 for F16 and
+  BF16, f32 FMA chains; F16 and BF16 widened to f32 in registers: fcvtl, shll #16) and its probability x value tile (matmul_pv.inc, PVR = 6 rows x
   PVC x 4 = 16 values, the f16 value rows widened), called with the shapes as constants (n = 2048, hd = 128,
   256 positions per block as attn_task does).
 - llama.cpp on an A76 (fp16 vector arithmetic, no bf16, no SVE; 0.3.36's ggml-cpu): F32 and F16 prefill are
@@ -32,6 +32,7 @@ from __future__ import annotations
 import re
 
 FLOAT_QTYPES = ("F32", "F16", "BF16", "F16 cache", "F32 cache")
+NCF16 = 5  # matmul_neon.inc's columns per float tile of the 16-bit weight types (F32: 6)
 N, HD, BLOCK_KV = 2048, 128, 256
 
 _WF = "(const uint8_t *w, size_t rb, const void *a, float *o)"
@@ -66,7 +67,10 @@ def float_kernels(k):
         peer = {"F32": "ggml_vec_dot_f32", "F16": "ggml_vec_dot_f16", "BF16": "ggml_vec_dot_bf16"}[q]
         how = {"F32": "f32 FMA", "F16": "fp16 FMA", "BF16": "widen, fmul, f64 sum"}[q]
         out.append(k("llama.cpp", "decode", q, f"rows in place, {how}", "vec.cpp", peer, 1, 1, 4))
-        out.append(k("ours", "prefill", q, "rows in place, 6 columns, f32 FMA, GCC", "ours", f"mca_pre_{t}", 4, 6, 4))
+        cols = 6 if q == "F32" else NCF16  # matmul_neon.inc: NCF, NCF16
+        widened = "" if q == "F32" else ", widened"
+        out.append(k("ours", "prefill", q, f"rows in place, {cols} columns{widened}, f32 FMA, GCC", "ours",
+                     f"mca_pre_{t}", 4, cols, 4))
         if q == "BF16":
             out.append(k("llama.cpp", "prefill", q, "rows in place, 1 column (no ARM tinyBLAS)", "vec.cpp", peer,
                          1, 1, 4))
