@@ -12,7 +12,7 @@ Policy:
 - Ours (ops.c attn_task as kq_attention splits decode): a task is a KV head and g of its query heads (the group,
   split into the fewest equal parts that give every thread a task: SmolLM2's 3 on 4 cores become 1), keys in blocks
   of 256; tasks whole on a core, so ceil(tasks / cores) of them in a row. Per key: the scores, f16_neondot with the
-  keys as weight rows and the g query rows as columns (ft_cols at g; 8 = passes of 6 and 2), its k loop x hd/4
+  keys as weight rows and the g query rows as columns (ft_cols at g; 8 = passes of NCF16 = 5 and 3), its k loop x hd/4
   plus the rest of a 4-key iteration (zeroing, lane sums, stores); p x V, pv_f16_neondot at g rows (6 + 2 for 8),
   its loop over positions x hd/16 slices (a slice's accumulator loads and stores, per 256 keys, not counted); per
   score attn_task's exp loop (4 lanes) and max loop (scalar); its sums and per-block bookkeeping not counted.
