@@ -8,12 +8,12 @@ Policy:
   `--layers` of its 28 layers, Q4_0 blocks written directly (bench/gguf_bench.py's random file; attention does not
   read the weights' type). A whole 28-layer 32K prefill takes too long on a small machine; attention's cost per
   token is per layer, so a few layers measure it, and `attention ms` below scales to any depth.
+- All three engines loaded at once and taking turns at each position (the two llama.cpp ones in child processes).
 - llama.cpp twice: with flash attention (llama-server's default, `-fa auto`, turns it on for the CPU) and without
   (llama-cpp-python's default). Without it llama.cpp keeps V transposed and multiplies through mul_mat.
 - Per position: decode tok/s of each engine (the prompt prefilled once, then `--decode` tokens greedily), the
   ratios, and `attention ms`: (1 / tok/s at P - 1 / tok/s at the shortest prompt) / layers, the time each layer's
-  attention adds to a token at P. The shortest prompt runs first and last, its faster run kept (the first decode
-  after a load runs slower on a cold machine). And the share of the bandwidth limit at P: weights + the KV read per token
+  attention adds to a token at P. The shortest prompt runs first and last, its faster run kept. And the share of the bandwidth limit at P: weights + the KV read per token
   (2 x layers x 8 x 128 x P x 2 bytes) over a single-threaded copy's bandwidth.
 - Prefill tok/s are printed too; at 32K they are mostly attention (quadratic), which is not this bench's subject.
 """
@@ -65,31 +65,34 @@ class Ours:
 
 
 def measure(path: str, shape: dict, positions: list[int], threads: int, decode: int) -> dict[str, dict[int, tuple]]:
-    """side -> position -> (prefill tok/s, decode tok/s). The engines run one after another (not at once)."""
+    """side -> position -> (prefill tok/s, decode tok/s). The three engines are all loaded and take turns at each
+    position (one at a time), so a machine whose speed drifts during the run moves them alike."""
     context = max(positions) + decode + 8
-    out: dict[str, dict[int, tuple]] = {}
+    sides = ("ours", "llama.cpp FA", "llama.cpp")
+    out: dict[str, dict[int, tuple]] = {s: {} for s in sides}
     kernels.set_threads(threads)
     ours = Ours(path, context)
-    ours.run(SHORT, 4)  # weights paged in, pools built
-    out["ours"] = {}
-    for p in positions:
-        out["ours"][p] = ours.run(p, decode)
-        print(f"ours       P={p:>6}: prefill {out['ours'][p][0]:8.1f} tok/s, decode {out['ours'][p][1]:7.2f} tok/s",
-              file=sys.stderr, flush=True)
-    out["ours"][SHORT] = max(out["ours"][SHORT], ours.run(SHORT, decode), key=lambda r: r[1])
-    del ours
     peer = peer_module()
-    for label, fa in (("llama.cpp FA", True), ("llama.cpp", False)):
-        out[label] = {}
-        with peer.LlamaCppPeer(path, n_threads=threads, n_ctx=context, flash_attn=fa) as theirs:
-            theirs.bench(SHORT, 4, runs=1, warmup=False)
-            for p in positions:
-                r = theirs.bench(p, decode, runs=1, warmup=False)
-                out[label][p] = (r["prefill_tok_s"], r["decode_tok_s"])
-                print(f"{label:<12} P={p:>6}: prefill {r['prefill_tok_s']:8.1f} tok/s, decode "
-                      f"{r['decode_tok_s']:7.2f} tok/s", file=sys.stderr, flush=True)
-            r = theirs.bench(SHORT, decode, runs=1, warmup=False)
-            out[label][SHORT] = max(out[label][SHORT], (r["prefill_tok_s"], r["decode_tok_s"]), key=lambda r: r[1])
+    with peer.LlamaCppPeer(path, n_threads=threads, n_ctx=context, flash_attn=True) as fa, \
+            peer.LlamaCppPeer(path, n_threads=threads, n_ctx=context, flash_attn=False) as nofa:
+        theirs = {"llama.cpp FA": fa, "llama.cpp": nofa}
+
+        def run(side: str, p: int) -> tuple[float, float]:
+            if side == "ours":
+                return ours.run(p, decode)
+            r = theirs[side].bench(p, decode, runs=1, warmup=False)
+            return r["prefill_tok_s"], r["decode_tok_s"]
+
+        for side in sides:  # weights paged in, pools built
+            ours.run(SHORT, 16) if side == "ours" else theirs[side].bench(SHORT, 16, runs=1, warmup=False)
+        for p in [*positions, SHORT]:
+            for side in sides:
+                r = run(side, p)
+                if p in out[side]:  # the shortest prompt runs first and last: its faster run is kept
+                    r = max(out[side][p], r, key=lambda x: x[1])
+                out[side][p] = r
+                print(f"{side:<12} P={p:>6}: prefill {r[0]:8.1f} tok/s, decode {r[1]:7.2f} tok/s", file=sys.stderr,
+                      flush=True)
     return out
 
 
