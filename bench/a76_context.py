@@ -71,13 +71,15 @@ def kv_bytes(shape: a76_model.Shape, pos: int) -> int:
     return shape.layers * 2 * shape.kv_heads * shape.head_dim * pos * 2
 
 
+ATT_WIDEN = 2  # ops.c: a task's widening of a block in query rows' work
+
+
 def ours_group(heads: int, kv_heads: int, cores: int) -> int:
-    """Query heads per task as kq_attention picks them for one token (ops.c: the fewest equal parts of the group
-    that give every thread a task)."""
-    rep = group = heads // kv_heads
-    while group > 1 and (rep % group or kv_heads * (rep // group) < cores):
-        group -= 1
-    return group
+    """Query heads per task as kq_attention picks them for one token (ops.c: the largest divisor of the group with
+    the least ceil(tasks / cores) x (ATT_WIDEN + group))."""
+    rep = heads // kv_heads
+    cost = {g: -(-kv_heads * (rep // g) // cores) * (ATT_WIDEN + g) for g in range(rep, 0, -1) if rep % g == 0}
+    return min(cost, key=lambda g: (cost[g], -g))
 
 
 def ours_reads(kv_heads: int, ngroups: int, cores: int, head_bytes: int) -> float:

@@ -125,8 +125,10 @@ def test_kv_bytes_and_the_decode_split_follow_the_shapes():
     # Qwen3-1.7B at 32K: 28 layers x K and V x 8 KV heads x 128 x 32768 positions x 2 bytes = 3.76 GB per token
     assert ctx.kv_bytes(a76_model.QWEN3_1_7B, 32768) == 28 * 2 * 8 * 128 * 32768 * 2 == 3_758_096_384
     assert ctx.kv_bytes(a76_model.SMOLLM2_135M, 1024) == 30 * 2 * 3 * 64 * 1024 * 2
-    # kq_attention's decode groups on 4 threads: 1.7B 2 query heads a task, 30B-A3B 8, SmolLM2's 3 split to 1
-    assert [ctx.ours_group(h, kv, 4) for h, kv in ((16, 8), (32, 8), (32, 4), (9, 3))] == [2, 4, 8, 1]
+    # kq_attention's decode groups on 4 threads: 1.7B 2 query heads a task, 30B-A3B 8, SmolLM2's 3 kept whole (9
+    # tasks of 1 would take 3 rounds), a group of 8 on 1 or 2 KV heads cut to give the 4 threads a task each
+    assert [ctx.ours_group(h, kv, 4) for h, kv in ((16, 8), (32, 8), (32, 4), (9, 3), (8, 1), (16, 2))] == \
+        [2, 4, 8, 3, 2, 4]
     # SmolLM2's 9 tasks on 4 threads: KV heads 1 and 2 span two rounds, read twice once a round overflows the caches
     assert ctx.ours_reads(3, 3, 4, 1 << 10) == 1 and ctx.ours_reads(3, 3, 4, 8 << 20) == 5 / 3
 

@@ -95,6 +95,8 @@ static void kv_store(void *cache, int f16, int64_t at, const float *x, int64_t h
  * (0 * inf), as in the numpy twin; a cache holding inf has already made the rows that see it inf or NaN. */
 #define KV_BLOCK 256 /* positions per key/value block */
 #define ATT_ROWS 64  /* rows (query head x token) per task at most */
+#define ATT_WIDEN 2  /* a task's widening of a block, in query rows' work (bench/a76_context.py's per-key costs on the
+                      * A76: 1.9 rows at head_dim 64, 2.3 at 128; the same loads and converts on x86) */
 typedef struct {
     const float *q;
     const void *kc, *vc;
@@ -159,9 +161,16 @@ int kq_attention(const float *q, const void *kc, const void *vc, int64_t max_len
     const int64_t rep = H / KV, nth = kq_get_threads();
     int64_t group = rep, qb = ATT_ROWS / rep < 1 ? 1 : ATT_ROWS / rep;
     qb = qb < T ? qb : T;
-    /* fewer tasks than threads (decode): split the head group into the fewest equal parts that give every thread
-     * one (each part reads and widens the blocks once more) */
-    while (group > 1 && (rep % group || KV * (rep / group) * ((T + qb - 1) / qb) < nth)) group--;
+    /* the head group split into equal parts (decode: fewer tasks than threads) only where that finishes sooner:
+     * each part reads and widens every key and value block once more, about ATT_WIDEN query rows' work, and the
+     * call takes ceil(tasks / threads) rounds of equal tasks; the largest group of the least rounds x
+     * (ATT_WIDEN + group). So a group of 8 on 1-2 KV heads is split over 4 threads, but SmolLM2's 3 heads on 3 KV
+     * heads stay whole on 4 threads (9 tasks of 1 would take 3 rounds of widening). */
+    int64_t cost = -1;
+    for (int64_t g = rep; g >= 1; g--) {
+        const int64_t tasks = KV * (rep / g) * ((T + qb - 1) / qb), c = (tasks + nth - 1) / nth * (ATT_WIDEN + g);
+        if (rep % g == 0 && (cost < 0 || c < cost)) { cost = c; group = g; }
+    }
     attn_ctx c = {q, kc, vc, out, max_len, T, S, H, KV, hd, group, qb, rep / group, (T + qb - 1) / qb,
                   kv_f16 != 0, 0};
     kq_parallel_for(KV * c.ngroups * c.nqb, 1, attn_task, &c);
