@@ -13,8 +13,9 @@ Policy:
   (llama-cpp-python's default). Without it llama.cpp keeps V transposed and multiplies through mul_mat.
 - Per position: decode tok/s of each engine (the prompt prefilled once, then `--decode` tokens greedily), the
   ratios, and `attention ms`: (1 / tok/s at P - 1 / tok/s at the shortest prompt) / layers, the time each layer's
-  attention adds to a token at P. The shortest prompt runs first and last, its faster run kept. And the share of the bandwidth limit at P: weights + the KV read per token
-  (2 x layers x 8 x 128 x P x 2 bytes) over a single-threaded copy's bandwidth.
+  attention adds to a token at P. The shortest prompt runs first and last, its faster run kept. And the share of
+  the bandwidth limit at P: weights + the KV read per token (2 x layers x 8 x 128 x P x 2 bytes) over a
+  single-threaded copy's bandwidth.
 - Prefill tok/s are printed too; at 32K they are mostly attention (quadratic), which is not this bench's subject.
 """
 from __future__ import annotations
@@ -24,17 +25,13 @@ import os
 import sys
 import time
 
-import numpy as np
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gguf_bench as gb  # noqa: E402  (a sibling; bench/ is not a package)
 
-from appliance.engine.generate import GenerationRequest  # noqa: E402
-from appliance.engine.load import load_model  # noqa: E402
-from appliance.engine.sampling import SamplingParams  # noqa: E402
+from appliance.engine.load import LoadOptions  # noqa: E402
 from appliance.native import kernels  # noqa: E402
 from tests.support.gguf_files import peer_module  # noqa: E402
 
@@ -46,24 +43,6 @@ def kv_bytes_per_token(shape: dict, position: int) -> int:
     return 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * position * 2
 
 
-def prompt_of(n: int, vocab: int) -> list[int]:
-    rng = np.random.default_rng(0)
-    return [int(t) for t in rng.integers(100, min(vocab, 30000), n)]
-
-
-class Ours:
-    def __init__(self, path: str, context: int):
-        self.lm = load_model(path, context_length=context, kv_type="f16")
-        self.lm.engine.reuse_prefix = False  # every run prefills its whole prompt
-
-    def run(self, position: int, decode: int) -> tuple[float, float]:
-        """(prefill tok/s, decode tok/s) of one greedy generation after a prompt of `position` tokens."""
-        req = GenerationRequest(prompt_of(position, self.lm.config.vocab_size), SamplingParams(temperature=0.0),
-                                max_tokens=decode, ignore_eos=True)
-        fin = list(self.lm.engine.generate(req))[-1]
-        return position / (fin.timings.prefill_ms / 1000.0), fin.timings.tok_s
-
-
 def measure(path: str, shape: dict, positions: list[int], threads: int, decode: int) -> dict[str, dict[int, tuple]]:
     """side -> position -> (prefill tok/s, decode tok/s). The three engines are all loaded and take turns at each
     position (one at a time), so a machine whose speed drifts during the run moves them alike."""
@@ -71,7 +50,7 @@ def measure(path: str, shape: dict, positions: list[int], threads: int, decode: 
     sides = ("ours", "llama.cpp FA", "llama.cpp")
     out: dict[str, dict[int, tuple]] = {s: {} for s in sides}
     kernels.set_threads(threads)
-    ours = Ours(path, context)
+    ours = gb.Ours(path, max(positions), decode, prefill_chunk=LoadOptions().prefill_chunk)  # the served default
     peer = peer_module()
     with peer.LlamaCppPeer(path, n_threads=threads, n_ctx=context, flash_attn=True) as fa, \
             peer.LlamaCppPeer(path, n_threads=threads, n_ctx=context, flash_attn=False) as nofa:
@@ -84,7 +63,7 @@ def measure(path: str, shape: dict, positions: list[int], threads: int, decode: 
             return r["prefill_tok_s"], r["decode_tok_s"]
 
         for side in sides:  # weights paged in, pools built
-            ours.run(SHORT, 16) if side == "ours" else theirs[side].bench(SHORT, 16, runs=1, warmup=False)
+            run(side, SHORT)
         for p in [*positions, SHORT]:
             for side in sides:
                 r = run(side, p)

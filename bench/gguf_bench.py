@@ -204,8 +204,9 @@ def weight_bytes_per_token(path: str) -> int:
 
 
 class Ours:
-    def __init__(self, path: str, prompt_len: int, decode: int):
-        self.lm = load_model(path, context_length=prompt_len + decode + 8, prefill_chunk=prompt_len)
+    def __init__(self, path: str, prompt_len: int, decode: int, prefill_chunk: int | None = None):
+        """prefill_chunk: prompt tokens per prefill step (default: the whole prompt in one)."""
+        self.lm = load_model(path, context_length=prompt_len + decode + 8, prefill_chunk=prefill_chunk or prompt_len)
         self.lm.engine.reuse_prefix = False  # every run prefills its whole prompt (no reuse of the last one's KV)
         self.path, self.prompt_len, self.decode = path, prompt_len, decode
 

@@ -96,7 +96,8 @@ static void kv_store(void *cache, int f16, int64_t at, const float *x, int64_t h
 #define KV_BLOCK 256 /* positions per key/value block */
 #define ATT_ROWS 64  /* rows (query head x token) per task at most */
 #define ATT_WIDEN 2  /* a task's widening of a block, in query rows' work (bench/a76_context.py's per-key costs on the
-                      * A76: 1.9 rows at head_dim 64, 2.3 at 128; the same loads and converts on x86) */
+                      * A76: 1.9 rows at head_dim 64, 2.3 at 128; not measured on x86, where 2 threads split no
+                      * real model's groups) */
 typedef struct {
     const float *q;
     const void *kc, *vc;
