@@ -135,8 +135,9 @@ def matmul(qtype, w: np.ndarray, x: np.ndarray) -> np.ndarray:
     raise ValueError(qtype)  # pragma: no cover
 
 
-X8_TYPES = (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q6_K)
+X8_TYPES = (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q5_K, QType.Q6_K)
 Q4K_X8_BYTES = 1184  # one Q4_K super-block of 8 rows in the x8 layout
+Q5K_X8_BYTES = 1440  # one Q5_K super-block of 8 rows: Q4_K's group, then qh in 4-byte row slices (256)
 
 
 def repack_x8(qtype, w: np.ndarray) -> np.ndarray:
@@ -153,12 +154,15 @@ def repack_x8(qtype, w: np.ndarray) -> np.ndarray:
                  b[..., 0:128].reshape(G, nb, 8, 32, 4).transpose(0, 1, 3, 2, 4).reshape(G, nb, 1024),
                  b[..., 128:192].reshape(G, nb, 8, 16, 4).transpose(0, 1, 3, 2, 4).reshape(G, nb, 512)]
         return np.ascontiguousarray(np.concatenate(parts, axis=-1).reshape(G, -1))
-    if qtype == QType.Q4_K:  # d[8], dmin[8], scales and mins as bytes [sub-block][row], quants in 4-byte slices
+    if qtype in (QType.Q4_K, QType.Q5_K):  # d[8], dmin[8], scales, mins as bytes [sub-block][row], 4-byte slices
         sc, mn = q4k_scales_mins(b[..., 4:16])  # (G, nb, 8 rows, 8 sub-blocks)
-        qs = b[..., 16:].reshape(G, nb, 8, 4, 8, 4).transpose(0, 1, 3, 4, 2, 5).reshape(G, nb, 1024)
+        q0 = 48 if qtype == QType.Q5_K else 16
+        qs = b[..., q0:q0 + 128].reshape(G, nb, 8, 4, 8, 4).transpose(0, 1, 3, 4, 2, 5).reshape(G, nb, 1024)
         parts = [b[..., 0:2].reshape(G, nb, 16), b[..., 2:4].reshape(G, nb, 16),
                  sc.transpose(0, 1, 3, 2).reshape(G, nb, 64).astype(np.uint8),
                  mn.transpose(0, 1, 3, 2).reshape(G, nb, 64).astype(np.uint8), qs]
+        if qtype == QType.Q5_K:  # qh: slice k holds qh[4k..4k+3] of rows 0..7
+            parts.append(b[..., 16:48].reshape(G, nb, 8, 8, 4).transpose(0, 1, 3, 2, 4).reshape(G, nb, 256))
         return np.ascontiguousarray(np.concatenate(parts, axis=-1).reshape(G, -1))
     head = 4 if qtype == QType.Q4_1 else 2
     parts = [b[..., 0:2].reshape(G, nb, 16)]  # (G, nb, 8 scales)
@@ -183,8 +187,8 @@ def unpack_x8(qtype, w8: np.ndarray, rows: int) -> np.ndarray:
             o[..., 16:144].reshape(G, nb, 16, 8).transpose(0, 1, 3, 2),
             o[..., 0:16].reshape(G, nb, 8, 2)], axis=-1)  # (G, nb, row, 210)
         return blocks.transpose(0, 2, 1, 3).reshape(G * 8, -1)[:rows]
-    if qtype == QType.Q4_K:
-        o = w8.reshape(G, -1, Q4K_X8_BYTES)  # (G, nb, bytes)
+    if qtype in (QType.Q4_K, QType.Q5_K):
+        o = w8.reshape(G, -1, Q5K_X8_BYTES if qtype == QType.Q5_K else Q4K_X8_BYTES)  # (G, nb, bytes)
         nb = o.shape[1]
         sc = o[..., 32:96].reshape(G, nb, 8, 8).transpose(0, 1, 3, 2).astype(np.uint8)  # (G, nb, row, sub)
         mn = o[..., 96:160].reshape(G, nb, 8, 8).transpose(0, 1, 3, 2).astype(np.uint8)
@@ -192,9 +196,10 @@ def unpack_x8(qtype, w8: np.ndarray, rows: int) -> np.ndarray:
         packed[..., 0:4] = sc[..., 0:4] | ((sc[..., 4:8] >> 4) << 6)
         packed[..., 4:8] = mn[..., 0:4] | ((mn[..., 4:8] >> 4) << 6)
         packed[..., 8:12] = (sc[..., 4:8] & 0x0F) | ((mn[..., 4:8] & 0x0F) << 4)
-        qs = o[..., 160:].reshape(G, nb, 4, 8, 8, 4).transpose(0, 1, 4, 2, 3, 5).reshape(G, nb, 8, 128)
-        blocks = np.concatenate([o[..., 0:16].reshape(G, nb, 8, 2), o[..., 16:32].reshape(G, nb, 8, 2), packed, qs],
-                                axis=-1)  # (G, nb, row, 144)
+        qs = o[..., 160:1184].reshape(G, nb, 4, 8, 8, 4).transpose(0, 1, 4, 2, 3, 5).reshape(G, nb, 8, 128)
+        qh = o[..., 1184:].reshape(G, nb, -1, 8, 4).transpose(0, 1, 3, 2, 4).reshape(G, nb, 8, -1)  # Q5_K: 32 bytes
+        blocks = np.concatenate([o[..., 0:16].reshape(G, nb, 8, 2), o[..., 16:32].reshape(G, nb, 8, 2), packed, qh,
+                                 qs], axis=-1)  # (G, nb, row, 144 or 176)
         return blocks.transpose(0, 2, 1, 3).reshape(G * 8, -1)[:rows]
     head = 4 if qtype == QType.Q4_1 else 2
     q = 32 if qtype == QType.Q8_0 else 16

@@ -185,6 +185,8 @@ static void x8_task(void *c_, int64_t a, int64_t b) {
         int nr = c->rows - r0 < 8 ? (int)(c->rows - r0) : 8;
         if (c->qtype == KQ_Q6_K)
             K.x8q6(c->w + (size_t)g * c->gbytes, c->nb, (const kq_act256 *)c->act, c->T, c->out, c->rows, r0, nr);
+        else if (c->qtype == KQ_Q5_K)
+            K.x8q5(c->w + (size_t)g * c->gbytes, c->nb, (const kq_act256 *)c->act, c->T, c->out, c->rows, r0, nr);
         else if (c->qtype == KQ_Q4_K)
             K.x8k(c->w + (size_t)g * c->gbytes, c->nb, (const kq_act256 *)c->act, c->T, c->out, c->rows, r0, nr);
         else
@@ -193,7 +195,7 @@ static void x8_task(void *c_, int64_t a, int64_t b) {
 }
 
 static int matmul_x8(int qtype, const uint8_t *w, int64_t rows, int64_t n, const float *x, int64_t T, float *out) {
-    int bb = kq_x8_block_bytes(qtype), bs = (qtype == KQ_Q4_K || qtype == KQ_Q6_K) ? 256 : 32;
+    int bb = kq_x8_block_bytes(qtype), bs = (qtype == KQ_Q4_K || qtype == KQ_Q5_K || qtype == KQ_Q6_K) ? 256 : 32;
     if (!bb || n % bs || rows <= 0 || T <= 0) return -1;
     x8_ctx c = {.qtype = qtype, .w = w, .rows = rows, .nb = n / bs, .T = T, .out = out};
     c.gbytes = (size_t)c.nb * bb;

@@ -121,5 +121,6 @@ void kq_kernels_scalar(kq_kernels *k) {
     k->x8 = kq_x8_group_scalar;
     k->quant32 = kq_quantize_q8_32_scalar;
     k->x8k = kq_x8k_group_scalar;
+    k->x8q5 = kq_x8q5_group_scalar;
     k->x8q6 = kq_x8q6_group_scalar;
 }

@@ -14,6 +14,7 @@ int kq_x8_block_bytes(int qtype) {
     case KQ_Q4_0: return 8 * (int)sizeof(blk_q4_0);
     case KQ_Q4_1: return 8 * (int)sizeof(blk_q4_1);
     case KQ_Q4_K: return KQ_Q4K_X8_BYTES;
+    case KQ_Q5_K: return KQ_Q5K_X8_BYTES;
     case KQ_Q6_K: return KQ_Q6K_X8_BYTES;
     default: return 0;
     }
@@ -21,46 +22,53 @@ int kq_x8_block_bytes(int qtype) {
 
 /* Q4_K x8 super-block group (1184 bytes): d[8], dmin[8] (fp16), the 6-bit scales and mins unpacked to
  * bytes as [sub-block][row] (64 + 64), then the quants: for each 64-element chunk j, 8 slices of 4 bytes
- * per row (low nibbles are sub-block 2j, high nibbles 2j+1, as in Q4_K). */
-static int repack_q4k_x8(const uint8_t *w, int64_t rows, int64_t n, uint8_t *out) {
-    size_t rb = kq_row_bytes(KQ_Q4_K, n);
+ * per row (low nibbles are sub-block 2j, high nibbles 2j+1, as in Q4_K). Q5_K's group (1440 bytes) is the same
+ * followed by the fifth bits qh in 8 slices of 4 bytes per row: slice k holds qh[4k..4k+3] of each row, the bits
+ * of the elements that quants slice k of every chunk holds (bit 2j of the low nibbles', 2j+1 of the high). */
+static int repack_q45k_x8(int q5, const uint8_t *w, int64_t rows, int64_t n, uint8_t *out) {
+    const size_t rb = kq_row_bytes(q5 ? KQ_Q5_K : KQ_Q4_K, n), bb = q5 ? sizeof(blk_q5_K) : sizeof(blk_q4_K);
+    const int gb = q5 ? KQ_Q5K_X8_BYTES : KQ_Q4K_X8_BYTES;
     int64_t nb = n / 256, groups = (rows + 7) / 8;
     for (int64_t g = 0; g < groups; g++)
         for (int64_t b = 0; b < nb; b++) {
-            uint8_t *o = out + ((size_t)g * nb + b) * KQ_Q4K_X8_BYTES;
-            memset(o, 0, KQ_Q4K_X8_BYTES);
+            uint8_t *o = out + ((size_t)g * nb + b) * gb;
+            memset(o, 0, gb);
             for (int r = 0; r < 8; r++) {
                 int64_t row = 8 * g + r;
                 if (row >= rows) continue;
-                const blk_q4_K *B = (const blk_q4_K *)(w + row * rb) + b;
-                memcpy(o + 2 * r, &B->d, 2);
-                memcpy(o + 16 + 2 * r, &B->dmin, 2);
+                const uint8_t *B = w + row * rb + b * bb, *qs = B + (q5 ? 48 : 16); /* d, dmin, scales[12] (, qh) */
+                memcpy(o + 2 * r, B, 2);
+                memcpy(o + 16 + 2 * r, B + 2, 2);
                 int32_t sc[8], m[8];
-                kq_q4k_scales(B->scales, sc, m);
+                kq_q4k_scales(B + 4, sc, m);
                 for (int s = 0; s < 8; s++) { o[32 + 8 * s + r] = (uint8_t)sc[s]; o[96 + 8 * s + r] = (uint8_t)m[s]; }
                 for (int j = 0; j < 4; j++)
-                    for (int k = 0; k < 8; k++) memcpy(o + 160 + (8 * j + k) * 32 + 4 * r, B->qs + 32 * j + 4 * k, 4);
+                    for (int k = 0; k < 8; k++) memcpy(o + 160 + (8 * j + k) * 32 + 4 * r, qs + 32 * j + 4 * k, 4);
+                if (q5)
+                    for (int k = 0; k < 8; k++) memcpy(o + KQ_Q4K_X8_BYTES + 32 * k + 4 * r, B + 16 + 4 * k, 4);
             }
         }
     return 0;
 }
 
-void kq_x8k_group_scalar(const uint8_t *grp, int64_t nb, const kq_act256 *act, int64_t T, float *out,
-                         int64_t ldo, int64_t r0, int nr) {
+static void x8k_group_scalar(int q5, const uint8_t *grp, int64_t nb, const kq_act256 *act, int64_t T, float *out,
+                             int64_t ldo, int64_t r0, int nr) {
+    const int gb = q5 ? KQ_Q5K_X8_BYTES : KQ_Q4K_X8_BYTES;
     for (int r = 0; r < nr; r++)
         for (int64_t t = 0; t < T; t++) {
             const kq_act256 *A = act + t * nb;
             float acc = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *o = grp + b * KQ_Q4K_X8_BYTES;
+                const uint8_t *o = grp + b * gb;
                 int32_t isum = 0, msum = 0;
                 for (int j = 0; j < 4; j++) {
                     int32_t lo = 0, hi = 0;
                     for (int k = 0; k < 8; k++)
                         for (int i = 0; i < 4; i++) {
                             uint8_t v = o[160 + (8 * j + k) * 32 + 4 * r + i];
-                            lo += (int32_t)(v & 0xF) * A[b].q[64 * j + 4 * k + i];
-                            hi += (int32_t)(v >> 4) * A[b].q[64 * j + 32 + 4 * k + i];
+                            uint8_t h = q5 ? o[KQ_Q4K_X8_BYTES + 32 * k + 4 * r + i] : 0;
+                            lo += (int32_t)((v & 0xF) | ((h >> (2 * j)) & 1) << 4) * A[b].q[64 * j + 4 * k + i];
+                            hi += (int32_t)((v >> 4) | ((h >> (2 * j + 1)) & 1) << 4) * A[b].q[64 * j + 32 + 4 * k + i];
                         }
                     isum += o[32 + 8 * (2 * j) + r] * lo + o[32 + 8 * (2 * j + 1) + r] * hi;
                 }
@@ -72,6 +80,16 @@ void kq_x8k_group_scalar(const uint8_t *grp, int64_t nb, const kq_act256 *act, i
             }
             out[t * ldo + r0 + r] = acc;
         }
+}
+
+void kq_x8k_group_scalar(const uint8_t *grp, int64_t nb, const kq_act256 *act, int64_t T, float *out,
+                         int64_t ldo, int64_t r0, int nr) {
+    x8k_group_scalar(0, grp, nb, act, T, out, ldo, r0, nr);
+}
+
+void kq_x8q5_group_scalar(const uint8_t *grp, int64_t nb, const kq_act256 *act, int64_t T, float *out,
+                          int64_t ldo, int64_t r0, int nr) {
+    x8k_group_scalar(1, grp, nb, act, T, out, ldo, r0, nr);
 }
 
 /* Q6_K x8 super-block group (1680 bytes, as 8 rows of Q6_K): d[8] (fp16), the int8 scales as [group][row]
@@ -120,7 +138,7 @@ void kq_x8q6_group_scalar(const uint8_t *grp, int64_t nb, const kq_act256 *act, 
 }
 
 int kq_repack_x8(int qtype, const uint8_t *w, int64_t rows, int64_t n, uint8_t *out) {
-    if (qtype == KQ_Q4_K) return (n % 256) ? -1 : repack_q4k_x8(w, rows, n, out);
+    if (qtype == KQ_Q4_K || qtype == KQ_Q5_K) return (n % 256) ? -1 : repack_q45k_x8(qtype == KQ_Q5_K, w, rows, n, out);
     if (qtype == KQ_Q6_K) return (n % 256) ? -1 : repack_q6k_x8(w, rows, n, out);
     int bb = kq_x8_block_bytes(qtype);
     size_t rb = kq_row_bytes(qtype, n);
