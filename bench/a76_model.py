@@ -60,11 +60,13 @@ OURS_CALLS = {
     "x8dec_q4_K": (_X8, "x8k_neondot(g, nb, a, 1, o, 8, 0, 8)"),
     "x8dec_q5_K": (_X8, "x8q5_neondot(g, nb, a, 1, o, 8, 0, 8)"),
     "x8dec_q6_K": (_X8, "x8q6_neondot(g, nb, a, 1, o, 8, 0, 8)"),
+    "x8dec_iq4_xs": (_X8, "x8iq4_neondot(g, nb, a, 1, o, 8, 0, 8)"),
     "x8pre_q8_0": (_X8, "x8_neondot(KQ_Q8_0, g, nb, a, 4, o, 8, 0, 8)"),
     "x8pre_q4_0": (_X8, "x8_neondot(KQ_Q4_0, g, nb, a, 4, o, 8, 0, 8)"),
     "x8pre_q4_K": (_X8, "x8k_neondot(g, nb, a, 4, o, 8, 0, 8)"),
     "x8pre_q5_K": (_X8, "x8q5_neondot(g, nb, a, 4, o, 8, 0, 8)"),
     "x8pre_q6_K": (_X8, "x8q6_neondot(g, nb, a, 4, o, 8, 0, 8)"),
+    "x8pre_iq4_xs": (_X8, "x8iq4_neondot(g, nb, a, 4, o, 8, 0, 8)"),
     # the K formats' rows in place from 4 columns on (a MoE expert's tokens) are k_cols (matmul_neon_k.inc), which no
     # wrapper inlines (too large): this call only makes the build emit it; its loop over 4-column passes is timed
     "pre_q4_K": (_W32, "q4_K_neondot(w, rb, 0, 4, nb, a, 0, 4, o, 4)"),
@@ -115,6 +117,7 @@ KERNELS = [
     _k("llama.cpp", "decode", "Q5_K", "rows in place", "quants.c", "ggml_vec_dot_q5_K_q8_K", 1, 1, 256),
     _k("llama.cpp", "decode", "Q5_K", "8x4 repack", "repack.cpp", "ggml_gemv_q5_K_8x4_q8_K", 8, 1, 256),
     _k("ours", "decode", "IQ4_XS", "rows in place", "ours", "mca_dec_iq4_xs", 4, 1, 256),
+    _k("ours", "decode", "IQ4_XS", "x8", "ours", "mca_x8dec_iq4_xs", 8, 1, 256),
     _k("llama.cpp", "decode", "IQ4_XS", "rows in place", "quants.c", "ggml_vec_dot_iq4_xs_q8_K", 1, 1, 256),
     _k("ours", "prefill", "Q8_0", "x8, 4 columns", "ours", "mca_x8pre_q8_0", 8, 4, 32),
     _k("llama.cpp", "prefill", "Q8_0", "4x4 repack, 4 columns", "repack.cpp", "ggml_gemm_q8_0_4x4_q8_0", 4, 4, 32),
@@ -126,8 +129,9 @@ KERNELS = [
     _k("llama.cpp", "prefill", "Q6_K", "8x4 repack, 4 columns", "repack.cpp", "ggml_gemm_q6_K_8x4_q8_K", 8, 4, 256),
 ]
 K_COLS = "rows in place, passes of 4 columns (k_cols: its unpack once per super-block, a 16-byte memcpy not counted)"
-KERNELS += [_k("ours", "prefill", q, K_COLS, "ours", "k_cols_neondot", 4, 4, 256) for q in ("Q4_K", "Q5_K", "Q6_K")]
-KERNELS += [_k("ours", "prefill", "Q5_K", "x8, 4 columns", "ours", "mca_x8pre_q5_K", 8, 4, 256)]
+KERNELS += [_k("ours", "prefill", q, K_COLS, "ours", "k_cols_neondot", 4, 4, 256) for q in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")]
+KERNELS += [_k("ours", "prefill", "Q5_K", "x8, 4 columns", "ours", "mca_x8pre_q5_K", 8, 4, 256),
+            _k("ours", "prefill", "IQ4_XS", "x8, 4 columns", "ours", "mca_x8pre_iq4_xs", 8, 4, 256)]
 KERNELS += [_k("llama.cpp", "prefill", "Q5_K", "8x4 repack, 4 columns", "repack.cpp", "ggml_gemm_q5_K_8x4_q8_K", 8, 4,
                256)]
 KERNELS += a76_float.float_kernels(_k)  # F32/F16/BF16 products, attention's p x V (bench/a76_float.py)

@@ -6,9 +6,9 @@ Policy: the block data stays the memory-mapped bytes of the file; it is never ex
 With the native library, products run in C (activations rounded to 8-bit blocks for the quantized types,
 as llama.cpp does); without it, the numpy path dequantizes a bounded slab of rows at a time and multiplies
 in float32, so memory stays bounded and results stay close to the float reference.
-Matrices of the X8_TYPES (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) are rearranged once, at their first product, into the
+Matrices of the X8_TYPES (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, IQ4_XS) are rearranged once, at their first product, into the
 row-interleaved x8 layout (same size, still quantized; ~1.5x faster decode, 2x prefill); embedding tables that are
-only looked up are never rearranged, and the other quantized types (Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, IQ4_XS)
+only looked up are never rearranged, and the other quantized types (Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K)
 are always read in the file's layout. KESTREL_REPACK=0 keeps every product on the file's own layout. A rearranged
 matrix's file pages are released afterwards (page_release), so it is resident once, not twice. Mixture-of-experts
 experts are built with repack=False: they stay read in place from the mapping, so resident memory follows the

@@ -186,7 +186,7 @@ X8 = 0x100  # qtype flag of the x8 layout (src/repack.c)
 
 
 def repack_x8(qtype, w: np.ndarray) -> np.ndarray:
-    """Rows of a tensor of one of twins.X8_TYPES (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) -> the x8 layout the fastest
+    """Rows of a tensor of one of twins.X8_TYPES (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, IQ4_XS) -> the x8 layout the fastest
     kernels read (twins.repack_x8)."""
     from .twins import X8_TYPES
     qtype = QType(int(qtype))
@@ -203,6 +203,8 @@ def x8_row_bytes(qtype: QType, n: int) -> int:
     """Bytes of one group of 8 rows of length n in the x8 layout."""
     if qtype in (QType.Q4_K, QType.Q5_K):  # super-blocks of 144 / 176 bytes -> groups of 1184 / 1440
         return row_bytes(qtype, n) // 144 * 1184 if qtype == QType.Q4_K else row_bytes(qtype, n) // 176 * 1440
+    if qtype == QType.IQ4_XS:  # super-blocks of 136 bytes -> groups of 1104
+        return row_bytes(qtype, n) // 136 * 1104
     return row_bytes(qtype, n) * 8
 
 

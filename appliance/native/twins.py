@@ -135,9 +135,10 @@ def matmul(qtype, w: np.ndarray, x: np.ndarray) -> np.ndarray:
     raise ValueError(qtype)  # pragma: no cover
 
 
-X8_TYPES = (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q5_K, QType.Q6_K)
+X8_TYPES = (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS)
 Q4K_X8_BYTES = 1184  # one Q4_K super-block of 8 rows in the x8 layout
 Q5K_X8_BYTES = 1440  # one Q5_K super-block of 8 rows: Q4_K's group, then qh in 4-byte row slices (256)
+IQ4XS_X8_BYTES = 1104  # one IQ4_XS super-block of 8 rows: d[8], int8 scales [sub-block][row], quants in slices
 
 
 def repack_x8(qtype, w: np.ndarray) -> np.ndarray:
@@ -153,6 +154,12 @@ def repack_x8(qtype, w: np.ndarray) -> np.ndarray:
         parts = [b[..., 208:210].reshape(G, nb, 16), b[..., 192:208].transpose(0, 1, 3, 2).reshape(G, nb, 128),
                  b[..., 0:128].reshape(G, nb, 8, 32, 4).transpose(0, 1, 3, 2, 4).reshape(G, nb, 1024),
                  b[..., 128:192].reshape(G, nb, 8, 16, 4).transpose(0, 1, 3, 2, 4).reshape(G, nb, 512)]
+        return np.ascontiguousarray(np.concatenate(parts, axis=-1).reshape(G, -1))
+    if qtype == QType.IQ4_XS:  # d[8], the signed scales as int8 [sub-block][row], quants in 4-byte row slices
+        real = (np.arange(G * 8) < R).reshape(G, 1, 8, 1)  # the padding rows' scales stay 0, as their blocks' bytes
+        sc = (iq4xs_scales(b) * real).astype(np.int8).view(np.uint8)  # (G, nb, 8 rows, 8 sub-blocks)
+        parts = [b[..., 0:2].reshape(G, nb, 16), sc.transpose(0, 1, 3, 2).reshape(G, nb, 64),
+                 b[..., 8:136].reshape(G, nb, 8, 32, 4).transpose(0, 1, 3, 2, 4).reshape(G, nb, 1024)]
         return np.ascontiguousarray(np.concatenate(parts, axis=-1).reshape(G, -1))
     if qtype in (QType.Q4_K, QType.Q5_K):  # d[8], dmin[8], scales, mins as bytes [sub-block][row], 4-byte slices
         sc, mn = q4k_scales_mins(b[..., 4:16])  # (G, nb, 8 rows, 8 sub-blocks)
@@ -186,6 +193,16 @@ def unpack_x8(qtype, w8: np.ndarray, rows: int) -> np.ndarray:
             o[..., 1168:1680].reshape(G, nb, 16, 8, 4).transpose(0, 1, 3, 2, 4).reshape(G, nb, 8, 64),
             o[..., 16:144].reshape(G, nb, 16, 8).transpose(0, 1, 3, 2),
             o[..., 0:16].reshape(G, nb, 8, 2)], axis=-1)  # (G, nb, row, 210)
+        return blocks.transpose(0, 2, 1, 3).reshape(G * 8, -1)[:rows]
+    if qtype == QType.IQ4_XS:
+        o = w8.reshape(G, -1, IQ4XS_X8_BYTES)  # (G, nb, bytes)
+        nb = o.shape[1]
+        ls = (o[..., 16:80].view(np.int8).astype(np.int32) + 32).reshape(G, nb, 8, 8).transpose(0, 1, 3, 2)  # (.., row, j)
+        sh = (ls >> 4 << (2 * np.arange(8))).sum(axis=-1).astype("<u2")  # (G, nb, row)
+        sl = ((ls[..., 0::2] & 0x0F) | ((ls[..., 1::2] & 0x0F) << 4)).astype(np.uint8)  # (G, nb, row, 4)
+        qs = o[..., 80:].reshape(G, nb, 32, 8, 4).transpose(0, 1, 3, 2, 4).reshape(G, nb, 8, 128)
+        blocks = np.concatenate([o[..., 0:16].reshape(G, nb, 8, 2), sh[..., None].view(np.uint8), sl, qs],
+                                axis=-1)  # (G, nb, row, 136)
         return blocks.transpose(0, 2, 1, 3).reshape(G * 8, -1)[:rows]
     if qtype in (QType.Q4_K, QType.Q5_K):
         o = w8.reshape(G, -1, Q5K_X8_BYTES if qtype == QType.Q5_K else Q4K_X8_BYTES)  # (G, nb, bytes)

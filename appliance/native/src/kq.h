@@ -41,6 +41,7 @@ int kq_x8_block_bytes(int qtype);
 int kq_repack_x8(int qtype, const uint8_t *w, int64_t rows, int64_t n, uint8_t *out);
 #define KQ_Q6K_X8_BYTES 1680 /* one Q6_K super-block of 8 rows in the x8 layout */
 #define KQ_Q4K_X8_BYTES 1184 /* one Q4_K super-block of 8 rows in the x8 layout */
+#define KQ_IQ4XS_X8_BYTES 1104 /* one IQ4_XS super-block of 8 rows: d[8], int8 scales [sub-block][row], quants */
 #define KQ_Q5K_X8_BYTES 1440 /* one Q5_K super-block of 8 rows: Q4_K's x8 group, then the fifth bits' slices */
 
 /* decoder operations (ops.c) */

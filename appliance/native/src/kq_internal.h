@@ -23,7 +23,7 @@ typedef struct { uint16_t d, scales_h; uint8_t scales_l[4]; uint8_t qs[128]; } b
 typedef void (*kq_range_fn)(void *ctx, int64_t start, int64_t end);
 void kq_parallel_for(int64_t n, int64_t chunk, kq_range_fn fn, void *ctx); /* fn over [0, n) in chunks */
 int64_t kq_chunk_for(int64_t n);
-void *kq_scratch(int slot, size_t bytes); /* per-thread buffers kept between calls (slot < 4) */
+void *kq_scratch(int slot, size_t bytes); /* per-thread buffers kept between calls (slot < 5) */
 void kq_f32_dots(const float *rows, int64_t nrows, int64_t n, const float *x, float *out); /* out = rows @ x, this thread */
 /* out[t * ldo + r] = rows[r] . x[t] for T columns x (T, n), in this thread (multi-token float tiles) */
 void kq_f32_tiles(const float *rows, int64_t nrows, int64_t n, const float *x, int64_t T, float *out, int64_t ldo);
@@ -67,11 +67,14 @@ void kq_prepare_act(int act_kind, const float *x, int64_t T, int64_t n, void *ou
 /* o (nrows, hd; row stride ldo) += p (nrows, m; row stride ldp) @ V (m, hd) of float32 or float16 rows (matmul_pv.inc) */
 typedef void (*kq_pv_fn)(const float *p, int64_t ldp, int64_t nrows, const uint8_t *V, int64_t m, int64_t hd, float *o,
                          int64_t ldo);
-typedef struct { kq_tile_fn q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, q2_K, q3_K, q4_K, q5_K, q6_K, iq4_xs, f32, f16, bf16; kq_x8_fn x8; kq_quant32_fn quant32; kq_x8k_fn x8k, x8q5, x8q6; kq_pv_fn pv_f32, pv_f16; } kq_kernels;
+typedef struct { kq_tile_fn q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, q2_K, q3_K, q4_K, q5_K, q6_K, iq4_xs, f32, f16, bf16; kq_x8_fn x8; kq_quant32_fn quant32; kq_x8k_fn x8k, x8q5, x8q6, x8iq4; kq_pv_fn pv_f32, pv_f16; } kq_kernels;
 void kq_x8q6_group_scalar(const uint8_t *grp, int64_t nb, const kq_act256 *act, int64_t T, float *out,
                           int64_t ldo, int64_t r0, int nr);
 void kq_x8k_group_scalar(const uint8_t *grp, int64_t nb, const kq_act256 *act, int64_t T, float *out,
                          int64_t ldo, int64_t r0, int nr);
+void kq_x8iq4_group_scalar(const uint8_t *grp, int64_t nb, const kq_act256 *act, int64_t T, float *out,
+                           int64_t ldo, int64_t r0, int nr);
+void kq_x8iq4_row(const uint8_t *grp, int64_t nb, int r, uint8_t *row); /* row r of an IQ4_XS x8 group, as in the file */
 void kq_x8q5_group_scalar(const uint8_t *grp, int64_t nb, const kq_act256 *act, int64_t T, float *out,
                           int64_t ldo, int64_t r0, int nr);
 void kq_quantize_q8_32_scalar(const float *x, int64_t T, int64_t n, kq_act32 *out);

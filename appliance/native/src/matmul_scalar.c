@@ -122,5 +122,6 @@ void kq_kernels_scalar(kq_kernels *k) {
     k->quant32 = kq_quantize_q8_32_scalar;
     k->x8k = kq_x8k_group_scalar;
     k->x8q5 = kq_x8q5_group_scalar;
+    k->x8iq4 = kq_x8iq4_group_scalar;
     k->x8q6 = kq_x8q6_group_scalar;
 }

@@ -200,9 +200,9 @@ int64_t kq_test_fail_alloc(int64_t n) {
 }
 
 void *kq_scratch(int slot, size_t bytes) {
-    static __thread void *buf[4];
-    static __thread size_t cap[4];
-    if (slot < 0 || slot >= 4) return NULL;
+    static __thread void *buf[5];
+    static __thread size_t cap[5];
+    if (slot < 0 || slot >= 5) return NULL;
     if (atomic_load_explicit(&scratch_test, memory_order_relaxed)) { /* a test's injected failure */
         atomic_fetch_add(&scratch_requests, 1);
         if (atomic_fetch_sub(&scratch_fail_in, 1) == 1) return NULL;

@@ -16,6 +16,7 @@ int kq_x8_block_bytes(int qtype) {
     case KQ_Q4_K: return KQ_Q4K_X8_BYTES;
     case KQ_Q5_K: return KQ_Q5K_X8_BYTES;
     case KQ_Q6_K: return KQ_Q6K_X8_BYTES;
+    case KQ_IQ4_XS: return KQ_IQ4XS_X8_BYTES;
     default: return 0;
     }
 }
@@ -137,9 +138,77 @@ void kq_x8q6_group_scalar(const uint8_t *grp, int64_t nb, const kq_act256 *act, 
         }
 }
 
+/* IQ4_XS x8 super-block group (1104 bytes): d[8] (fp16), the signed 6-bit scales as int8 [sub-block][row] (64), then
+ * the quants: sub-block j's 16 bytes in 4 slices of 4 bytes per row (slice 4j + k: bytes 16j + 4k.. of rows 0..7;
+ * low nibbles are elements 4k.. of the sub-block, high nibbles 16 + 4k..) */
+static int repack_iq4xs_x8(const uint8_t *w, int64_t rows, int64_t n, uint8_t *out) {
+    size_t rb = kq_row_bytes(KQ_IQ4_XS, n);
+    int64_t nb = n / 256, groups = (rows + 7) / 8;
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *o = out + ((size_t)g * nb + b) * KQ_IQ4XS_X8_BYTES;
+            memset(o, 0, KQ_IQ4XS_X8_BYTES);
+            for (int r = 0; r < 8; r++) {
+                int64_t row = 8 * g + r;
+                if (row >= rows) continue;
+                const blk_iq4_xs *B = (const blk_iq4_xs *)(w + row * rb) + b;
+                int32_t sc[8];
+                kq_iq4xs_scales(B, sc);
+                memcpy(o + 2 * r, &B->d, 2);
+                for (int j = 0; j < 8; j++) o[16 + 8 * j + r] = (uint8_t)(int8_t)sc[j];
+                for (int s = 0; s < 32; s++) memcpy(o + 80 + 32 * s + 4 * r, B->qs + 4 * s, 4);
+            }
+        }
+    return 0;
+}
+
+void kq_x8iq4_row(const uint8_t *grp, int64_t nb, int r, uint8_t *row) {
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *o = grp + b * KQ_IQ4XS_X8_BYTES;
+        blk_iq4_xs *B = (blk_iq4_xs *)row + b;
+        uint16_t h = 0;
+        memcpy(&B->d, o + 2 * r, 2);
+        memset(B->scales_l, 0, 4);
+        for (int j = 0; j < 8; j++) {
+            const int ls = (int8_t)o[16 + 8 * j + r] + 32;
+            B->scales_l[j / 2] |= (uint8_t)((ls & 0xF) << (4 * (j % 2)));
+            h |= (uint16_t)((ls >> 4) << (2 * j));
+        }
+        memcpy(&B->scales_h, &h, 2);
+        for (int s = 0; s < 32; s++) memcpy(B->qs + 4 * s, o + 80 + 32 * s + 4 * r, 4);
+    }
+}
+
+void kq_x8iq4_group_scalar(const uint8_t *grp, int64_t nb, const kq_act256 *act, int64_t T, float *out,
+                           int64_t ldo, int64_t r0, int nr) {
+    for (int r = 0; r < nr; r++)
+        for (int64_t t = 0; t < T; t++) {
+            const kq_act256 *A = act + t * nb;
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *o = grp + b * KQ_IQ4XS_X8_BYTES;
+                int32_t isum = 0;
+                for (int j = 0; j < 8; j++) {
+                    int32_t dot = 0;
+                    for (int k = 0; k < 4; k++)
+                        for (int i = 0; i < 4; i++) {
+                            uint8_t v = o[80 + 32 * (4 * j + k) + 4 * r + i];
+                            dot += kq_iq4_values[v & 0xF] * A[b].q[32 * j + 4 * k + i]
+                                 + kq_iq4_values[v >> 4] * A[b].q[32 * j + 16 + 4 * k + i];
+                        }
+                    isum += (int8_t)o[16 + 8 * j + r] * dot;
+                }
+                float dd = kq_fp16_to_fp32(kq_ld16(o + 2 * r)) * A[b].d;
+                acc = acc + dd * (float)isum;
+            }
+            out[t * ldo + r0 + r] = acc;
+        }
+}
+
 int kq_repack_x8(int qtype, const uint8_t *w, int64_t rows, int64_t n, uint8_t *out) {
     if (qtype == KQ_Q4_K || qtype == KQ_Q5_K) return (n % 256) ? -1 : repack_q45k_x8(qtype == KQ_Q5_K, w, rows, n, out);
     if (qtype == KQ_Q6_K) return (n % 256) ? -1 : repack_q6k_x8(w, rows, n, out);
+    if (qtype == KQ_IQ4_XS) return (n % 256) ? -1 : repack_iq4xs_x8(w, rows, n, out);
     int bb = kq_x8_block_bytes(qtype);
     size_t rb = kq_row_bytes(qtype, n);
     if (!bb || !rb || n % 32) return -1;
