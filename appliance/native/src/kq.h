@@ -37,7 +37,8 @@ int kq_matmul(int qtype, const uint8_t *w, int64_t rows, int64_t n, const float 
 size_t kq_row_bytes(int qtype, int64_t n); /* bytes of one row of n elements */
 /* the x8 layout (repack.c): groups of 8 interleaved rows, which kq_matmul reads with qtype | KQ_X8 */
 #define KQ_X8 0x100 /* qtype flag: weights in the x8 layout */
-int kq_x8_block_bytes(int qtype);
+int kq_x8_block_bytes(int qtype); /* bytes of 8 rows' block (0: no x8 layout) */
+int kq_x8_block_elems(int qtype); /* elements per row of that block: 256 for the K formats, else 32 */
 int kq_repack_x8(int qtype, const uint8_t *w, int64_t rows, int64_t n, uint8_t *out);
 #define KQ_Q6K_X8_BYTES 1680 /* one Q6_K super-block of 8 rows in the x8 layout */
 #define KQ_Q4K_X8_BYTES 1184 /* one Q4_K super-block of 8 rows in the x8 layout */

@@ -178,8 +178,8 @@ typedef struct {
 
 /* IQ4_XS groups from KQ_X8IQ4_ROW_T columns on, on x86: the row-layout tiles over the group's rows copied back out of
  * the x8 layout into a per-thread buffer (the same results). There the row tiles' 16-bit products beat the x8
- * kernel's sign trick from a few tens of columns: k_kernels on AMD EPYC (Zen 3), one thread, x8 / row time at T = 8,
- * 64, 256: 0.70, 1.05, 1.12; on the A76 the x8 tile is the faster one at every width (bench/a76_model.py: 2.53
+ * kernel's sign trick from a few tens of columns: k_kernels on AMD EPYC (Zen 4, the AVX-512 level), one thread,
+ * x8 / row time at T = 8, 64, 256: 0.70, 1.05, 1.12; on the A76 the x8 tile is the faster one at every width (bench/a76_model.py: 2.53
  * against 5.35 cycles / 32 weights x column). */
 #ifndef KQ_X8IQ4_ROW_T
 #if defined(__x86_64__)
@@ -203,26 +203,21 @@ static int x8iq4_by_rows(const x8_ctx *c, int64_t g, int64_t r0, int nr) {
  * slower than the hardware prefetcher alone); the decode kernels fetch a stream ahead block by block */
 static void x8_task(void *c_, int64_t a, int64_t b) {
     const x8_ctx *c = c_;
+    const kq_x8k_fn k256 = c->qtype == KQ_Q4_K ? K.x8k : c->qtype == KQ_Q5_K ? K.x8q5 : c->qtype == KQ_Q6_K ? K.x8q6
+                         : c->qtype == KQ_IQ4_XS ? K.x8iq4 : NULL; /* NULL: a 32-element format */
     for (int64_t g = a; g < b; g++) {
         int64_t r0 = 8 * g;
         int nr = c->rows - r0 < 8 ? (int)(c->rows - r0) : 8;
-        if (c->qtype == KQ_Q6_K)
-            K.x8q6(c->w + (size_t)g * c->gbytes, c->nb, (const kq_act256 *)c->act, c->T, c->out, c->rows, r0, nr);
-        else if (c->qtype == KQ_IQ4_XS && KQ_X8IQ4_ROW_T && c->T >= KQ_X8IQ4_ROW_T && x8iq4_by_rows(c, g, r0, nr))
+        const uint8_t *grp = c->w + (size_t)g * c->gbytes;
+        if (c->qtype == KQ_IQ4_XS && KQ_X8IQ4_ROW_T && c->T >= KQ_X8IQ4_ROW_T && x8iq4_by_rows(c, g, r0, nr))
             continue;
-        else if (c->qtype == KQ_IQ4_XS)
-            K.x8iq4(c->w + (size_t)g * c->gbytes, c->nb, (const kq_act256 *)c->act, c->T, c->out, c->rows, r0, nr);
-        else if (c->qtype == KQ_Q5_K)
-            K.x8q5(c->w + (size_t)g * c->gbytes, c->nb, (const kq_act256 *)c->act, c->T, c->out, c->rows, r0, nr);
-        else if (c->qtype == KQ_Q4_K)
-            K.x8k(c->w + (size_t)g * c->gbytes, c->nb, (const kq_act256 *)c->act, c->T, c->out, c->rows, r0, nr);
-        else
-            K.x8(c->qtype, c->w + (size_t)g * c->gbytes, c->nb, c->act, c->T, c->out, c->rows, r0, nr);
+        if (k256) k256(grp, c->nb, (const kq_act256 *)c->act, c->T, c->out, c->rows, r0, nr);
+        else K.x8(c->qtype, grp, c->nb, c->act, c->T, c->out, c->rows, r0, nr);
     }
 }
 
 static int matmul_x8(int qtype, const uint8_t *w, int64_t rows, int64_t n, const float *x, int64_t T, float *out) {
-    int bb = kq_x8_block_bytes(qtype), bs = (qtype == KQ_Q4_K || qtype == KQ_Q5_K || qtype == KQ_Q6_K || qtype == KQ_IQ4_XS) ? 256 : 32;
+    int bb = kq_x8_block_bytes(qtype), bs = kq_x8_block_elems(qtype);
     if (!bb || n % bs || rows <= 0 || T <= 0) return -1;
     x8_ctx c = {.qtype = qtype, .w = w, .rows = rows, .nb = n / bs, .T = T, .out = out};
     c.gbytes = (size_t)c.nb * bb;

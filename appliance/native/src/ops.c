@@ -190,8 +190,7 @@ static int64_t weight_bytes(int qtype, int64_t rows, int64_t n) {
     const int64_t rb = (int64_t)kq_row_bytes(q, n);
     if (!(qtype & KQ_X8)) return rows * rb;
     if (!kq_x8_block_bytes(q)) return 0;
-    return (rows + 7) / 8 * (q == KQ_Q4_K ? rb / 144 * KQ_Q4K_X8_BYTES : q == KQ_Q5_K ? rb / 176 * KQ_Q5K_X8_BYTES
-                              : q == KQ_IQ4_XS ? rb / 136 * KQ_IQ4XS_X8_BYTES : rb * 8);
+    return (rows + 7) / 8 * (rb / (int64_t)kq_row_bytes(q, kq_x8_block_elems(q))) * kq_x8_block_bytes(q);
 }
 
 /* the linear is (rows, n) and its weight holds exactly that many bytes of its type */

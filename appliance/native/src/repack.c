@@ -26,30 +26,17 @@ int kq_x8_block_bytes(int qtype) {
  * per row (low nibbles are sub-block 2j, high nibbles 2j+1, as in Q4_K). Q5_K's group (1440 bytes) is the same
  * followed by the fifth bits qh in 8 slices of 4 bytes per row: slice k holds qh[4k..4k+3] of each row, the bits
  * of the elements that quants slice k of every chunk holds (bit 2j of the low nibbles', 2j+1 of the high). */
-static int repack_q45k_x8(int q5, const uint8_t *w, int64_t rows, int64_t n, uint8_t *out) {
-    const size_t rb = kq_row_bytes(q5 ? KQ_Q5_K : KQ_Q4_K, n), bb = q5 ? sizeof(blk_q5_K) : sizeof(blk_q4_K);
-    const int gb = q5 ? KQ_Q5K_X8_BYTES : KQ_Q4K_X8_BYTES;
-    int64_t nb = n / 256, groups = (rows + 7) / 8;
-    for (int64_t g = 0; g < groups; g++)
-        for (int64_t b = 0; b < nb; b++) {
-            uint8_t *o = out + ((size_t)g * nb + b) * gb;
-            memset(o, 0, gb);
-            for (int r = 0; r < 8; r++) {
-                int64_t row = 8 * g + r;
-                if (row >= rows) continue;
-                const uint8_t *B = w + row * rb + b * bb, *qs = B + (q5 ? 48 : 16); /* d, dmin, scales[12] (, qh) */
-                memcpy(o + 2 * r, B, 2);
-                memcpy(o + 16 + 2 * r, B + 2, 2);
-                int32_t sc[8], m[8];
-                kq_q4k_scales(B + 4, sc, m);
-                for (int s = 0; s < 8; s++) { o[32 + 8 * s + r] = (uint8_t)sc[s]; o[96 + 8 * s + r] = (uint8_t)m[s]; }
-                for (int j = 0; j < 4; j++)
-                    for (int k = 0; k < 8; k++) memcpy(o + 160 + (8 * j + k) * 32 + 4 * r, qs + 32 * j + 4 * k, 4);
-                if (q5)
-                    for (int k = 0; k < 8; k++) memcpy(o + KQ_Q4K_X8_BYTES + 32 * k + 4 * r, B + 16 + 4 * k, 4);
-            }
-        }
-    return 0;
+static void fill_q45k(int q5, uint8_t *o, const uint8_t *B, int r) { /* B: d, dmin, scales[12] (, qh[32]), qs */
+    const uint8_t *qs = B + (q5 ? 48 : 16);
+    memcpy(o + 2 * r, B, 2);
+    memcpy(o + 16 + 2 * r, B + 2, 2);
+    int32_t sc[8], m[8];
+    kq_q4k_scales(B + 4, sc, m);
+    for (int s = 0; s < 8; s++) { o[32 + 8 * s + r] = (uint8_t)sc[s]; o[96 + 8 * s + r] = (uint8_t)m[s]; }
+    for (int j = 0; j < 4; j++)
+        for (int k = 0; k < 8; k++) memcpy(o + 160 + (8 * j + k) * 32 + 4 * r, qs + 32 * j + 4 * k, 4);
+    if (q5)
+        for (int k = 0; k < 8; k++) memcpy(o + KQ_Q4K_X8_BYTES + 32 * k + 4 * r, B + 16 + 4 * k, 4);
 }
 
 static void x8k_group_scalar(int q5, const uint8_t *grp, int64_t nb, const kq_act256 *act, int64_t T, float *out,
@@ -95,24 +82,11 @@ void kq_x8q5_group_scalar(const uint8_t *grp, int64_t nb, const kq_act256 *act, 
 
 /* Q6_K x8 super-block group (1680 bytes, as 8 rows of Q6_K): d[8] (fp16), the int8 scales as [group][row]
  * (128), the low-bit bytes ql in 4-byte row slices (32 slices), then the high-bit bytes qh likewise (16). */
-static int repack_q6k_x8(const uint8_t *w, int64_t rows, int64_t n, uint8_t *out) {
-    size_t rb = kq_row_bytes(KQ_Q6_K, n);
-    int64_t nb = n / 256, groups = (rows + 7) / 8;
-    for (int64_t g = 0; g < groups; g++)
-        for (int64_t b = 0; b < nb; b++) {
-            uint8_t *o = out + ((size_t)g * nb + b) * KQ_Q6K_X8_BYTES;
-            memset(o, 0, KQ_Q6K_X8_BYTES);
-            for (int r = 0; r < 8; r++) {
-                int64_t row = 8 * g + r;
-                if (row >= rows) continue;
-                const blk_q6_K *B = (const blk_q6_K *)(w + row * rb) + b;
-                memcpy(o + 2 * r, &B->d, 2);
-                for (int s = 0; s < 16; s++) o[16 + 8 * s + r] = (uint8_t)B->scales[s];
-                for (int s = 0; s < 32; s++) memcpy(o + 144 + 32 * s + 4 * r, B->ql + 4 * s, 4);
-                for (int s = 0; s < 16; s++) memcpy(o + 1168 + 32 * s + 4 * r, B->qh + 4 * s, 4);
-            }
-        }
-    return 0;
+static void fill_q6k(uint8_t *o, const blk_q6_K *B, int r) {
+    memcpy(o + 2 * r, &B->d, 2);
+    for (int s = 0; s < 16; s++) o[16 + 8 * s + r] = (uint8_t)B->scales[s];
+    for (int s = 0; s < 32; s++) memcpy(o + 144 + 32 * s + 4 * r, B->ql + 4 * s, 4);
+    for (int s = 0; s < 16; s++) memcpy(o + 1168 + 32 * s + 4 * r, B->qh + 4 * s, 4);
 }
 
 void kq_x8q6_group_scalar(const uint8_t *grp, int64_t nb, const kq_act256 *act, int64_t T, float *out,
@@ -141,25 +115,12 @@ void kq_x8q6_group_scalar(const uint8_t *grp, int64_t nb, const kq_act256 *act, 
 /* IQ4_XS x8 super-block group (1104 bytes): d[8] (fp16), the signed 6-bit scales as int8 [sub-block][row] (64), then
  * the quants: sub-block j's 16 bytes in 4 slices of 4 bytes per row (slice 4j + k: bytes 16j + 4k.. of rows 0..7;
  * low nibbles are elements 4k.. of the sub-block, high nibbles 16 + 4k..) */
-static int repack_iq4xs_x8(const uint8_t *w, int64_t rows, int64_t n, uint8_t *out) {
-    size_t rb = kq_row_bytes(KQ_IQ4_XS, n);
-    int64_t nb = n / 256, groups = (rows + 7) / 8;
-    for (int64_t g = 0; g < groups; g++)
-        for (int64_t b = 0; b < nb; b++) {
-            uint8_t *o = out + ((size_t)g * nb + b) * KQ_IQ4XS_X8_BYTES;
-            memset(o, 0, KQ_IQ4XS_X8_BYTES);
-            for (int r = 0; r < 8; r++) {
-                int64_t row = 8 * g + r;
-                if (row >= rows) continue;
-                const blk_iq4_xs *B = (const blk_iq4_xs *)(w + row * rb) + b;
-                int32_t sc[8];
-                kq_iq4xs_scales(B, sc);
-                memcpy(o + 2 * r, &B->d, 2);
-                for (int j = 0; j < 8; j++) o[16 + 8 * j + r] = (uint8_t)(int8_t)sc[j];
-                for (int s = 0; s < 32; s++) memcpy(o + 80 + 32 * s + 4 * r, B->qs + 4 * s, 4);
-            }
-        }
-    return 0;
+static void fill_iq4xs(uint8_t *o, const blk_iq4_xs *B, int r) {
+    int32_t sc[8];
+    kq_iq4xs_scales(B, sc);
+    memcpy(o + 2 * r, &B->d, 2);
+    for (int j = 0; j < 8; j++) o[16 + 8 * j + r] = (uint8_t)(int8_t)sc[j];
+    for (int s = 0; s < 32; s++) memcpy(o + 80 + 32 * s + 4 * r, B->qs + 4 * s, 4);
 }
 
 void kq_x8iq4_row(const uint8_t *grp, int64_t nb, int r, uint8_t *row) {
@@ -205,28 +166,35 @@ void kq_x8iq4_group_scalar(const uint8_t *grp, int64_t nb, const kq_act256 *act,
         }
 }
 
+/* the 32-element formats' group: the 8 scales (then Q4_1's 8 mins), then the quants in 4-byte row slices */
+static void fill_b32(int qtype, uint8_t *o, const uint8_t *B, int r) {
+    const int head = qtype == KQ_Q4_1 ? 4 : 2, qbytes = qtype == KQ_Q8_0 ? 32 : 16;
+    memcpy(o + 2 * r, B, 2);                          /* d */
+    if (head == 4) memcpy(o + 16 + 2 * r, B + 2, 2);  /* m */
+    for (int k = 0; k < qbytes / 4; k++) memcpy(o + 8 * head + 32 * k + 4 * r, B + head + 4 * k, 4);
+}
+
+int kq_x8_block_elems(int qtype) {
+    return qtype == KQ_Q4_K || qtype == KQ_Q5_K || qtype == KQ_Q6_K || qtype == KQ_IQ4_XS ? 256 : 32;
+}
+
 int kq_repack_x8(int qtype, const uint8_t *w, int64_t rows, int64_t n, uint8_t *out) {
-    if (qtype == KQ_Q4_K || qtype == KQ_Q5_K) return (n % 256) ? -1 : repack_q45k_x8(qtype == KQ_Q5_K, w, rows, n, out);
-    if (qtype == KQ_Q6_K) return (n % 256) ? -1 : repack_q6k_x8(w, rows, n, out);
-    if (qtype == KQ_IQ4_XS) return (n % 256) ? -1 : repack_iq4xs_x8(w, rows, n, out);
-    int bb = kq_x8_block_bytes(qtype);
-    size_t rb = kq_row_bytes(qtype, n);
-    if (!bb || !rb || n % 32) return -1;
-    int64_t nb = n / 32, groups = (rows + 7) / 8;
-    int head = qtype == KQ_Q4_1 ? 4 : 2, qbytes = qtype == KQ_Q8_0 ? 32 : 16;
+    const int gb = kq_x8_block_bytes(qtype), bs = kq_x8_block_elems(qtype);
+    const size_t rb = kq_row_bytes(qtype, n), bb = kq_row_bytes(qtype, bs);
+    if (!gb || !rb || n % bs) return -1;
+    int64_t nb = n / bs, groups = (rows + 7) / 8;
     for (int64_t g = 0; g < groups; g++)
         for (int64_t b = 0; b < nb; b++) {
-            uint8_t *o = out + ((size_t)g * nb + b) * bb;
-            memset(o, 0, bb);
-            for (int r = 0; r < 8; r++) {
-                int64_t row = 8 * g + r;
-                if (row >= rows) continue;
-                const uint8_t *B = w + row * rb + b * (head + qbytes);
-                memcpy(o + 2 * r, B, 2);                          /* d */
-                if (head == 4) memcpy(o + 16 + 2 * r, B + 2, 2);  /* m */
-                const uint8_t *qs = B + head;
-                uint8_t *oq = o + 8 * head;
-                for (int k = 0; k < qbytes / 4; k++) memcpy(oq + 32 * k + 4 * r, qs + 4 * k, 4);
+            uint8_t *o = out + ((size_t)g * nb + b) * gb;
+            memset(o, 0, gb); /* rows past the end stay zero blocks */
+            for (int r = 0; r < 8 && 8 * g + r < rows; r++) {
+                const uint8_t *B = w + (8 * g + r) * rb + b * bb;
+                switch (qtype) {
+                case KQ_Q4_K: case KQ_Q5_K: fill_q45k(qtype == KQ_Q5_K, o, B, r); break;
+                case KQ_Q6_K: fill_q6k(o, (const blk_q6_K *)B, r); break;
+                case KQ_IQ4_XS: fill_iq4xs(o, (const blk_iq4_xs *)B, r); break;
+                default: fill_b32(qtype, o, B, r); break;
+                }
             }
         }
     return 0;
