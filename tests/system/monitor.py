@@ -28,9 +28,14 @@ def get(port: int, path: str) -> tuple[int, bytes]:
 
 
 def usage(pid: int) -> dict:
+    """pid's RSS, and its two parts: anonymous memory (the heap, what a leak grows) and resident pages of mapped
+    files (libraries, model files: the kernel drops and reloads them under memory pressure); fds; threads."""
     with open(f"/proc/{pid}/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return {"rss_mb": round(rss / 2**20, 1), "fds": len(os.listdir(f"/proc/{pid}/fd")),
+    with open(f"/proc/{pid}/status") as f:
+        kb = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f) if k in ("RssAnon", "RssFile")}
+    return {"rss_mb": round(rss / 2**20, 1), "anon_mb": round(kb.get("RssAnon", 0) / 1024, 1),
+            "file_mb": round(kb.get("RssFile", 0) / 1024, 1), "fds": len(os.listdir(f"/proc/{pid}/fd")),
             "threads": len(os.listdir(f"/proc/{pid}/task"))}
 
 
