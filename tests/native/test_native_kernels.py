@@ -102,7 +102,7 @@ def test_decode_columns_exact_past_32_bit_running_totals(qtype, level):
 def test_x8_layout_matmul_is_bit_exact(qtype, level):
     kernels.set_simd_level(level)
     rng = np.random.default_rng(70 + 10 * level + int(qtype))
-    for rows, nb, T in [(1, 1, 1), (7, 3, 1), (9, 2, 5), (37, 4, 13), (16, 1, 4), (13, 2, 40)]:  # T = 40: past KQ_X8IQ4_ROW_T
+    for rows, nb, T in [(1, 1, 1), (7, 3, 1), (9, 2, 5), (37, 4, 13), (16, 1, 4), (13, 2, 40)]:  # T = 40: past the AVX2 level's x8iq4_row_t
         n = BLOCK[qtype][0] * nb
         w = random_weight(qtype, rows, n, rng)
         w8 = kernels.repack_x8(qtype, w)

@@ -67,7 +67,8 @@ void kq_prepare_act(int act_kind, const float *x, int64_t T, int64_t n, void *ou
 /* o (nrows, hd; row stride ldo) += p (nrows, m; row stride ldp) @ V (m, hd) of float32 or float16 rows (matmul_pv.inc) */
 typedef void (*kq_pv_fn)(const float *p, int64_t ldp, int64_t nrows, const uint8_t *V, int64_t m, int64_t hd, float *o,
                          int64_t ldo);
-typedef struct { kq_tile_fn q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, q2_K, q3_K, q4_K, q5_K, q6_K, iq4_xs, f32, f16, bf16; kq_x8_fn x8; kq_quant32_fn quant32; kq_x8k_fn x8k, x8q5, x8q6, x8iq4; kq_pv_fn pv_f32, pv_f16; } kq_kernels;
+typedef struct { kq_tile_fn q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, q2_K, q3_K, q4_K, q5_K, q6_K, iq4_xs, f32, f16, bf16; kq_x8_fn x8; kq_quant32_fn quant32; kq_x8k_fn x8k, x8q5, x8q6, x8iq4; kq_pv_fn pv_f32, pv_f16;
+                int x8iq4_row_t; /* IQ4_XS x8 groups from this many columns on: the row tiles on the rows copied out (0: never) */ } kq_kernels;
 void kq_x8q6_group_scalar(const uint8_t *grp, int64_t nb, const kq_act256 *act, int64_t T, float *out,
                           int64_t ldo, int64_t r0, int nr);
 void kq_x8k_group_scalar(const uint8_t *grp, int64_t nb, const kq_act256 *act, int64_t T, float *out,

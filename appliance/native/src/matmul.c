@@ -176,18 +176,8 @@ typedef struct {
     float *out;
 } x8_ctx;
 
-/* IQ4_XS groups from KQ_X8IQ4_ROW_T columns on, on x86: the row-layout tiles over the group's rows copied back out of
- * the x8 layout into a per-thread buffer (the same results). There the row tiles' 16-bit products beat the x8
- * kernel's sign trick from a few tens of columns: k_kernels on AMD EPYC (Zen 4, the AVX-512 level), one thread,
- * x8 / row time at T = 8, 64, 256: 0.70, 1.05, 1.12; on the A76 the x8 tile is the faster one at every width (bench/a76_model.py: 2.53
- * against 5.35 cycles / 32 weights x column). */
-#ifndef KQ_X8IQ4_ROW_T
-#if defined(__x86_64__)
-#define KQ_X8IQ4_ROW_T 32
-#else
-#define KQ_X8IQ4_ROW_T 0 /* never */
-#endif
-#endif
+/* IQ4_XS groups from K.x8iq4_row_t columns on (the AVX2 level's choice, matmul_x86.inc): the row-layout tiles over the
+ * group's rows copied back out of the x8 layout into a per-thread buffer (the same results). */
 static int x8iq4_by_rows(const x8_ctx *c, int64_t g, int64_t r0, int nr) {
     const size_t rb = (size_t)c->nb * sizeof(blk_iq4_xs);
     uint8_t *rows = kq_scratch(4, 8 * rb);
@@ -209,7 +199,7 @@ static void x8_task(void *c_, int64_t a, int64_t b) {
         int64_t r0 = 8 * g;
         int nr = c->rows - r0 < 8 ? (int)(c->rows - r0) : 8;
         const uint8_t *grp = c->w + (size_t)g * c->gbytes;
-        if (c->qtype == KQ_IQ4_XS && KQ_X8IQ4_ROW_T && c->T >= KQ_X8IQ4_ROW_T && x8iq4_by_rows(c, g, r0, nr))
+        if (c->qtype == KQ_IQ4_XS && K.x8iq4_row_t && c->T >= K.x8iq4_row_t && x8iq4_by_rows(c, g, r0, nr))
             continue;
         if (k256) k256(grp, c->nb, (const kq_act256 *)c->act, c->T, c->out, c->rows, r0, nr);
         else K.x8(c->qtype, grp, c->nb, c->act, c->T, c->out, c->rows, r0, nr);
