@@ -14,8 +14,8 @@ tests/system/test_system_soak.py for ~25 s.
   fds and threads every 3 s.
 - Flat: RSS, fds and threads of the idle server (its prefix cache bounded by CACHE_RAM_MB) after a warm-up and
   after the load, within RSS_SLACK_MB / FD_SLACK / THREAD_SLACK. RSS is its anonymous part (what a leak grows;
-  mapped files' pages come and go with the page cache), and the warm-up ends with the heaviest request (heaviest()). Each is taken IDLE_S after the last request
-  (trio's idle worker threads exit after 10 s) and once no client connection is left (monitor.settle, up to
+  mapped files' pages come and go with the page cache), and the warm-up ends with the heaviest request
+  (heaviest()). Each is taken IDLE_S after the last request (trio's idle worker threads exit after 10 s) and once no client connection is left (monitor.settle, up to
   SETTLE_S): /metrics' kestrel_open_connections counts only the one asking, and the process holds no socket
   but its listener and unix sockets (monitor.fd_kinds). A connection a client leaves open ends at the server's
   15 s keep-alive timeout; a closed one goes within milliseconds, even on a loaded machine. A socket still
@@ -133,8 +133,17 @@ class Load:
 
     def images(self, rng: random.Random, most: int = 3) -> list[dict]:
         """1 to `most` images from the pool whose base64 fits one request body (4 MB) together."""
+        return self.fitting(rng.choice(self.pool) for _ in range(rng.randint(1, most)))
+
+    def largest(self, most: int = 3) -> list[dict]:
+        """The pool's largest images (by pixels), up to `most` whose base64 fits one request body together."""
+        return self.fitting(sorted(self.pool, key=lambda im: -im["size"][0] * im["size"][1])[:most])
+
+    def fitting(self, candidates) -> list[dict]:
+        """The candidates in order, each kept if the base64 of those kept so far fits one body with it (the first
+        always), counted as sent."""
         picked: list[dict] = []
-        for im in (rng.choice(self.pool) for _ in range(rng.randint(1, most))):
+        for im in candidates:
             if not picked or sum(len(p["uri"]) for p in picked) + len(im["uri"]) < REQUEST_IMAGES_B64:
                 picked.append(im)
         with self.lock:
@@ -195,10 +204,11 @@ def safe(check: Callable[[bytes], str | None], payload: bytes) -> str | None:
 
 
 def user_content(load: Load, rng: random.Random, text: str, with_images: bool) -> Any:
-    if not with_images:
-        return text
-    return [{"type": "image_url", "image_url": {"url": im["uri"]}} for im in load.images(rng)] + \
-        [{"type": "text", "text": text}]
+    return image_content(load.images(rng), text) if with_images else text
+
+
+def image_content(images: list[dict], text: str) -> list[dict]:
+    return [{"type": "image_url", "image_url": {"url": im["uri"]}} for im in images] + [{"type": "text", "text": text}]
 
 
 # ---- the kinds of request -------------------------------------------------------------------------------------
@@ -476,14 +486,9 @@ def heaviest(load: Load) -> None:
     largest image encoded so far: bounded by the image limits, not a leak. Reached in the warm-up, it is in the
     first idle measurement too; left to chance, a short warm-up on a loaded machine can miss the large images
     and the load's first one then reads as growth (+64 MB idle to idle was seen in CI that way)."""
-    picked: list[dict] = []
-    for im in sorted(load.pool, key=lambda im: -im["size"][0] * im["size"][1]):
-        if len(picked) < 3 and sum(len(p["uri"]) for p in picked) + len(im["uri"]) < REQUEST_IMAGES_B64:
-            picked.append(im)
-    content = [{"type": "image_url", "image_url": {"url": im["uri"]}} for im in picked] + \
-        [{"type": "text", "text": "Describe."}]
     exchange(load, "chat/json/heaviest", "/v1/chat/completions", {"model": "vl", "max_tokens": 4, "messages": [
-        {"role": "user", "content": content}]}, lambda p: wf.body_problem(wf.chat_problem, p))
+        {"role": "user", "content": image_content(load.largest(), "Describe.")}]},
+        lambda p: wf.body_problem(wf.chat_problem, p))
 
 
 def outcomes(load: Load, stuck: int) -> dict:
