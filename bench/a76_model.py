@@ -7,10 +7,11 @@ tok/s those cycles and the board's memory bandwidth predict per model shape.
 Policy:
 - Ours: the tile kernels of the dotprod level (matmul_neon.c, `*_neondot`), called by `flatten` wrappers with
   the shape as constants: decode is one column (T = 1) of the row layout (what MoE experts and the types without
-  an x8 layout read) and of the x8 layout (dense Q8_0/Q4_0/Q4_K/Q6_K); prefill is one 4-column pass of the x8
-  kernels. The constants pick the code the library runs at those shapes: the row tiles have a single-column path
-  of their own and the x8 kernels are specialised for a full pass and for one column (matmul_x8_neon.inc). llama.cpp (the peer's source distribution, bench/peer.py's version, unpacked once into
-  ~/.cache/kestrel-bench/llama-src): its in-place dot products (arch/arm/quants.c, `ggml_vec_dot_*`) and the
+  an x8 layout read) and of the x8 layout (dense Q8_0/Q4_0/Q4_K/Q6_K); prefill is one full pass of the x8
+  kernels (8 columns for Q8_0 / Q4_0, 4 for the K formats). The constants pick the code the library runs at those
+  shapes: the row tiles have a single-column path of their own and the x8 kernels are specialised for a full pass
+  and for one column (matmul_x8_neon.inc). llama.cpp (the peer's source distribution, bench/peer.py's version,
+  unpacked once into ~/.cache/kestrel-bench/llama-src): its in-place dot products (arch/arm/quants.c, `ggml_vec_dot_*`) and the
   repacked ones (arch/arm/repack.cpp, `ggml_gemv_*` / `ggml_gemm_*`): on an A76 (dotprod, no i8mm) it repacks
   Q4_0/Q8_0 to 4x4 and Q4_K/Q5_K/Q6_K to 8x4 for decode and prefill alike, so those are its board kernels.
 - The float kernels (F32/F16/BF16 products, attention's probability x value tiles) and their llama.cpp
@@ -61,8 +62,10 @@ OURS_CALLS = {
     "x8dec_q5_K": (_X8, "x8q5_neondot(g, nb, a, 1, o, 8, 0, 8)"),
     "x8dec_q6_K": (_X8, "x8q6_neondot(g, nb, a, 1, o, 8, 0, 8)"),
     "x8dec_iq4_xs": (_X8, "x8iq4_neondot(g, nb, a, 1, o, 8, 0, 8)"),
-    "x8pre_q8_0": (_X8, "x8_neondot(KQ_Q8_0, g, nb, a, 4, o, 8, 0, 8)"),
-    "x8pre_q4_0": (_X8, "x8_neondot(KQ_Q4_0, g, nb, a, 4, o, 8, 0, 8)"),
+    # Q8_0 / Q4_0 prefill: the 8-column wide pass, a row half (4 rows) over all blocks at a time (x8_half_pass;
+    # Q6_K's 4-column pass too, x8q6_half_pass)
+    "x8pre_q8_0": (_X8, "x8_neondot(KQ_Q8_0, g, nb, a, 8, o, 8, 0, 8)"),
+    "x8pre_q4_0": (_X8, "x8_neondot(KQ_Q4_0, g, nb, a, 8, o, 8, 0, 8)"),
     "x8pre_q4_K": (_X8, "x8k_neondot(g, nb, a, 4, o, 8, 0, 8)"),
     "x8pre_q5_K": (_X8, "x8q5_neondot(g, nb, a, 4, o, 8, 0, 8)"),
     "x8pre_q6_K": (_X8, "x8q6_neondot(g, nb, a, 4, o, 8, 0, 8)"),
@@ -119,13 +122,13 @@ KERNELS = [
     _k("ours", "decode", "IQ4_XS", "rows in place", "ours", "mca_dec_iq4_xs", 4, 1, 256),
     _k("ours", "decode", "IQ4_XS", "x8", "ours", "mca_x8dec_iq4_xs", 8, 1, 256),
     _k("llama.cpp", "decode", "IQ4_XS", "rows in place", "quants.c", "ggml_vec_dot_iq4_xs_q8_K", 1, 1, 256),
-    _k("ours", "prefill", "Q8_0", "x8, 4 columns", "ours", "mca_x8pre_q8_0", 8, 4, 32),
+    _k("ours", "prefill", "Q8_0", "x8, 8 columns, a row half at a time", "ours", "mca_x8pre_q8_0", 4, 8, 32),
     _k("llama.cpp", "prefill", "Q8_0", "4x4 repack, 4 columns", "repack.cpp", "ggml_gemm_q8_0_4x4_q8_0", 4, 4, 32),
-    _k("ours", "prefill", "Q4_0", "x8, 4 columns", "ours", "mca_x8pre_q4_0", 8, 4, 32),
+    _k("ours", "prefill", "Q4_0", "x8, 8 columns, a row half at a time", "ours", "mca_x8pre_q4_0", 4, 8, 32),
     _k("llama.cpp", "prefill", "Q4_0", "4x4 repack, 16 columns", "repack.cpp", "ggml_gemm_q4_0_4x4_q8_0", 4, 16, 32),
     _k("ours", "prefill", "Q4_K", "x8, 4 columns", "ours", "mca_x8pre_q4_K", 8, 4, 256),
     _k("llama.cpp", "prefill", "Q4_K", "8x4 repack, 4 columns", "repack.cpp", "ggml_gemm_q4_K_8x4_q8_K", 8, 4, 256),
-    _k("ours", "prefill", "Q6_K", "x8, 4 columns", "ours", "mca_x8pre_q6_K", 8, 4, 256),
+    _k("ours", "prefill", "Q6_K", "x8, 4 columns, a row half at a time", "ours", "mca_x8pre_q6_K", 4, 4, 256),
     _k("llama.cpp", "prefill", "Q6_K", "8x4 repack, 4 columns", "repack.cpp", "ggml_gemm_q6_K_8x4_q8_K", 8, 4, 256),
 ]
 K_COLS = "rows in place, passes of 4 columns (k_cols: its unpack once per super-block, a 16-byte memcpy not counted)"

@@ -17,6 +17,9 @@ static inline int32x4_t dot16_mull(int32x4_t acc, int8x16_t a, int8x16_t b) {
 #define DOTL(acc, a, b, lane) dot16_mull((acc), (a), vreinterpretq_s8_s32(vdupq_laneq_s32(vreinterpretq_s32_s8(b), lane)))
 #include "matmul_neon.inc"
 #define NC 4
+#ifndef NCW
+#define NCW 8 /* the x8 prefill's wide pass (matmul_x8_neon.inc) */
+#endif
 #include "matmul_x8_neon.inc"
 #undef NC
 #undef SFX
@@ -30,6 +33,9 @@ static inline int32x4_t dot16_mull(int32x4_t acc, int8x16_t a, int8x16_t b) {
 #define DOTL(acc, a, b, lane) vdotq_laneq_s32((acc), (a), (b), lane) /* sdot by element: no broadcast load */
 #include "matmul_neon.inc"
 #define NC 4
+#ifndef NCW
+#define NCW 8 /* the x8 prefill's wide pass (matmul_x8_neon.inc) */
+#endif
 #include "matmul_x8_neon.inc"
 #undef NC
 #undef SFX
