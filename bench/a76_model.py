@@ -63,7 +63,7 @@ OURS_CALLS = {
     "x8dec_q6_K": (_X8, "x8q6_neondot(g, nb, a, 1, o, 8, 0, 8)"),
     "x8dec_iq4_xs": (_X8, "x8iq4_neondot(g, nb, a, 1, o, 8, 0, 8)"),
     # Q8_0 / Q4_0 prefill: the 8-column wide pass, a row half (4 rows) over all blocks at a time (x8_half_pass;
-    # Q6_K's 4-column pass too, x8q6_half_pass)
+    # the K formats' 4-column passes too, x8k_half_pass / x8q6_half_pass)
     "x8pre_q8_0": (_X8, "x8_neondot(KQ_Q8_0, g, nb, a, 8, o, 8, 0, 8)"),
     "x8pre_q4_0": (_X8, "x8_neondot(KQ_Q4_0, g, nb, a, 8, o, 8, 0, 8)"),
     "x8pre_q4_K": (_X8, "x8k_neondot(g, nb, a, 4, o, 8, 0, 8)"),
@@ -126,14 +126,14 @@ KERNELS = [
     _k("llama.cpp", "prefill", "Q8_0", "4x4 repack, 4 columns", "repack.cpp", "ggml_gemm_q8_0_4x4_q8_0", 4, 4, 32),
     _k("ours", "prefill", "Q4_0", "x8, 8 columns, a row half at a time", "ours", "mca_x8pre_q4_0", 4, 8, 32),
     _k("llama.cpp", "prefill", "Q4_0", "4x4 repack, 16 columns", "repack.cpp", "ggml_gemm_q4_0_4x4_q8_0", 4, 16, 32),
-    _k("ours", "prefill", "Q4_K", "x8, 4 columns", "ours", "mca_x8pre_q4_K", 8, 4, 256),
+    _k("ours", "prefill", "Q4_K", "x8, 4 columns, a row half at a time", "ours", "mca_x8pre_q4_K", 4, 4, 256),
     _k("llama.cpp", "prefill", "Q4_K", "8x4 repack, 4 columns", "repack.cpp", "ggml_gemm_q4_K_8x4_q8_K", 8, 4, 256),
     _k("ours", "prefill", "Q6_K", "x8, 4 columns, a row half at a time", "ours", "mca_x8pre_q6_K", 4, 4, 256),
     _k("llama.cpp", "prefill", "Q6_K", "8x4 repack, 4 columns", "repack.cpp", "ggml_gemm_q6_K_8x4_q8_K", 8, 4, 256),
 ]
 K_COLS = "rows in place, passes of 4 columns (k_cols: its unpack once per super-block, a 16-byte memcpy not counted)"
 KERNELS += [_k("ours", "prefill", q, K_COLS, "ours", "k_cols_neondot", 4, 4, 256) for q in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")]
-KERNELS += [_k("ours", "prefill", "Q5_K", "x8, 4 columns", "ours", "mca_x8pre_q5_K", 8, 4, 256),
+KERNELS += [_k("ours", "prefill", "Q5_K", "x8, 4 columns, a row half at a time", "ours", "mca_x8pre_q5_K", 4, 4, 256),
             _k("ours", "prefill", "IQ4_XS", "x8, 4 columns", "ours", "mca_x8pre_iq4_xs", 8, 4, 256)]
 KERNELS += [_k("llama.cpp", "prefill", "Q5_K", "8x4 repack, 4 columns", "repack.cpp", "ggml_gemm_q5_K_8x4_q8_K", 8, 4,
                256)]
