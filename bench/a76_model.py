@@ -73,6 +73,11 @@ OURS_CALLS = {
     # the K formats' rows in place from 4 columns on (a MoE expert's tokens) are k_cols (matmul_neon_k.inc), which no
     # wrapper inlines (too large): this call only makes the build emit it; its loop over 4-column passes is timed
     "pre_q4_K": (_W32, "q4_K_neondot(w, rb, 0, 4, nb, a, 0, 4, o, 4)"),
+    # k_cols with the type a constant (one of its four variants: mins or not, scale pairs or not), the column count
+    # not (its loop over 4-column passes is the loop timed)
+    **{f"kcols_{q}": ("(const uint8_t *w, size_t rb, int64_t nb, const void *a, float *o, int64_t T, int64_t ldo)",
+                      f"k_cols_neondot(KQ_{q}, w, rb, 0, 4, nb, a, 0, T, o, ldo)") for q in ("Q4_K", "Q5_K", "Q6_K",
+                                                                                           "IQ4_XS")},
     **a76_float.OURS_FLOAT_CALLS,
 }
 
@@ -131,8 +136,8 @@ KERNELS = [
     _k("ours", "prefill", "Q6_K", "x8, 4 columns, a row half at a time", "ours", "mca_x8pre_q6_K", 4, 4, 256),
     _k("llama.cpp", "prefill", "Q6_K", "8x4 repack, 4 columns", "repack.cpp", "ggml_gemm_q6_K_8x4_q8_K", 8, 4, 256),
 ]
-K_COLS = "rows in place, passes of 4 columns (k_cols: its unpack once per super-block, a 16-byte memcpy not counted)"
-KERNELS += [_k("ours", "prefill", q, K_COLS, "ours", "k_cols_neondot", 4, 4, 256) for q in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")]
+K_COLS = "rows in place, passes of 4 columns (k_cols: unpacked and transposed once per super-block)"
+KERNELS += [_k("ours", "prefill", q, K_COLS, "ours", f"mca_kcols_{q}", 4, 4, 256) for q in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")]
 KERNELS += [_k("ours", "prefill", "Q5_K", "x8, 4 columns, a row half at a time", "ours", "mca_x8pre_q5_K", 4, 4, 256),
             _k("ours", "prefill", "IQ4_XS", "x8, 4 columns", "ours", "mca_x8pre_iq4_xs", 8, 4, 256)]
 KERNELS += [_k("llama.cpp", "prefill", "Q5_K", "8x4 repack, 4 columns", "repack.cpp", "ggml_gemm_q5_K_8x4_q8_K", 8, 4,
@@ -143,7 +148,7 @@ QUICK = {"mca_dec_q8_0", "mca_dec_q4_0", "mca_x8dec_q4_0", "mca_x8pre_q4_0"}
 
 def ours_harness(names) -> str:
     lines = ['#include "matmul_neon.c"']
-    names = [n for n in names if n.startswith("mca_")] + (["mca_pre_q4_K"] if "k_cols_neondot" in names else [])
+    names = [n for n in names if n.startswith("mca_")]
     for n in dict.fromkeys(names):
         args, call = OURS_CALLS[n[len("mca_"):]]
         lines.append(f"__attribute__((flatten)) void {n}{args} {{ {call}; }}")
