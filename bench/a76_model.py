@@ -63,7 +63,7 @@ OURS_CALLS = {
     "x8dec_q6_K": (_X8, "x8q6_neondot(g, nb, a, 1, o, 8, 0, 8)"),
     "x8dec_iq4_xs": (_X8, "x8iq4_neondot(g, nb, a, 1, o, 8, 0, 8)"),
     # Q8_0 / Q4_0 prefill: the 8-column wide pass, a row half (4 rows) over all blocks at a time (x8_half_pass;
-    # the K formats' 4-column passes too, x8k_half_pass / x8q6_half_pass)
+    # the K formats' 4-column passes too, x8k_half_pass / x8q6_half_pass / x8iq4_half_pass)
     "x8pre_q8_0": (_X8, "x8_neondot(KQ_Q8_0, g, nb, a, 8, o, 8, 0, 8)"),
     "x8pre_q4_0": (_X8, "x8_neondot(KQ_Q4_0, g, nb, a, 8, o, 8, 0, 8)"),
     "x8pre_q4_K": (_X8, "x8k_neondot(g, nb, a, 4, o, 8, 0, 8)"),
@@ -139,7 +139,8 @@ KERNELS = [
 K_COLS = "rows in place, passes of 4 columns (k_cols: unpacked and transposed once per super-block)"
 KERNELS += [_k("ours", "prefill", q, K_COLS, "ours", f"mca_kcols_{q}", 4, 4, 256) for q in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")]
 KERNELS += [_k("ours", "prefill", "Q5_K", "x8, 4 columns, a row half at a time", "ours", "mca_x8pre_q5_K", 4, 4, 256),
-            _k("ours", "prefill", "IQ4_XS", "x8, 4 columns", "ours", "mca_x8pre_iq4_xs", 8, 4, 256)]
+            _k("ours", "prefill", "IQ4_XS", "x8, 4 columns, a row half at a time", "ours", "mca_x8pre_iq4_xs", 4, 4,
+               256)]
 KERNELS += [_k("llama.cpp", "prefill", "Q5_K", "8x4 repack, 4 columns", "repack.cpp", "ggml_gemm_q5_K_8x4_q8_K", 8, 4,
                256)]
 KERNELS += a76_float.float_kernels(_k)  # F32/F16/BF16 products, attention's p x V (bench/a76_float.py)
