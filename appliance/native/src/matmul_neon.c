@@ -12,16 +12,20 @@ static inline int32x4_t dot16_mull(int32x4_t acc, int8x16_t a, int8x16_t b) {
     return vpadalq_s16(acc, vpaddq_s16(p0, p1));
 }
 
+/* Scheduling fences: the sums given are complete before any later load. Without them clang and GCC hoist a tile's
+ * loads and products across its steps and spill (bench/a76_model.py: the x8 and k_cols passes). */
+#define VFENCE2(a, b) __asm__ volatile("" : "+w"(a), "+w"(b) :: "memory")
+#define VFENCE4(a, b, c, d) __asm__ volatile("" : "+w"(a), "+w"(b), "+w"(c), "+w"(d) :: "memory")
+
 #define SFX(n) n##_neon
 #define DOT16(acc, a, b) dot16_mull((acc), (a), (b))
 #define DOTL(acc, a, b, lane) dot16_mull((acc), (a), vreinterpretq_s8_s32(vdupq_laneq_s32(vreinterpretq_s32_s8(b), lane)))
 #include "matmul_neon.inc"
 #define NC 4
-#ifndef NCW
 #define NCW 8 /* the x8 prefill's wide pass (matmul_x8_neon.inc) */
-#endif
 #include "matmul_x8_neon.inc"
 #undef NC
+#undef NCW
 #undef SFX
 #undef DOT16
 #undef DOTL
@@ -33,11 +37,10 @@ static inline int32x4_t dot16_mull(int32x4_t acc, int8x16_t a, int8x16_t b) {
 #define DOTL(acc, a, b, lane) vdotq_laneq_s32((acc), (a), (b), lane) /* sdot by element: no broadcast load */
 #include "matmul_neon.inc"
 #define NC 4
-#ifndef NCW
 #define NCW 8 /* the x8 prefill's wide pass (matmul_x8_neon.inc) */
-#endif
 #include "matmul_x8_neon.inc"
 #undef NC
+#undef NCW
 #undef SFX
 #undef DOT16
 #undef DOTL
