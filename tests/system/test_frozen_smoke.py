@@ -241,6 +241,40 @@ def test_serves_a_streamed_chat_and_exits_0_on_sigterm(clean_dir, tmp_path):
         f.write(json.dumps(figures) + "\n")
 
 
+def test_converts_and_serves_a_q4_0_gguf_with_the_engines_tokens(clean_dir):
+    """The executable's `convert` writes a Q4_0 GGUF of the checkpoint beside it and its server completes a
+    12-token prompt greedily on that file through the quantized kernels it carries (under qemu, the aarch64 build's
+    NEON x8 prefill passes: more than 8 columns, an 8-column pass and shorter ones): the same tokens as this source tree's
+    engine on the same file (the kernels are bit-exact with the scalar ones at every level)."""
+    from openai import OpenAI
+
+    from appliance.engine.load import load_model
+    from tests.support.gguf_files import greedy_tokens
+
+    c = clean_dir
+    r = run_exe(c, "convert", "tiny-qwen3", "tiny-q4_0.gguf", "--type", "q4_0")
+    assert r.returncode == 0, r.stderr[-2000:]
+    gguf = os.path.join(c["dir"], "tiny-q4_0.gguf")
+    text = "The quick brown fox jumps over the lazy dog, then it runs far away"
+    lm = load_model(gguf)
+    prompt = lm.tokenizer.encode(text)
+    assert len(prompt) >= 12, prompt
+    want = lm.tokenizer.decode(greedy_tokens(lm, prompt, 8))
+
+    port = free_port()
+    proc = subprocess.Popen([c["exe"], "--model", "tiny-q4_0.gguf", "--host", "127.0.0.1", "--port", str(port),
+                             "--api-key-file", "api-key", "--threads", "2"], cwd=c["dir"], env=c["env"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert wait_healthy(port, c["timeout"], proc), proc.communicate() if proc.poll() is not None else "no /health"
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=c["timeout"])
+        got = client.completions.create(model="any", prompt=text, max_tokens=8, temperature=0)
+        assert got.usage.prompt_tokens == len(prompt), got.usage
+        assert got.choices[0].text == want, (got.choices[0].text, want)
+    finally:
+        kill_group(proc)
+
+
 def test_bundled_native_kernels_are_loaded_from_the_unpack_directory(clean_dir):
     """The C library travels inside the executable and is found there (glibc's loader says what it loads)."""
     c = clean_dir
