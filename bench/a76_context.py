@@ -12,10 +12,12 @@ Policy:
 - Ours (ops.c attn_task as kq_attention splits decode): a task is a KV head and g of its query heads (the group,
   split into the fewest equal parts that give every thread a task: SmolLM2's 3 on 4 cores become 1), keys in blocks
   of 256; tasks whole on a core, so ceil(tasks / cores) of them in a row. Per key: the scores, f16_neondot with the
-  keys as weight rows and the g query rows as columns (ft_cols at g; 8 = passes of NCF16 = 5 and 3), its k loop x hd/4
-  plus the rest of a 4-key iteration (zeroing, lane sums, stores); p x V, pv_f16_neondot at g rows (6 + 2 for 8),
-  its loop over positions x hd/16 slices (a slice's accumulator loads and stores, per 256 keys, not counted); per
-  score attn_task's exp loop (4 lanes) and max loop (scalar); its sums and per-block bookkeeping not counted.
+  keys as weight rows and the g query rows as columns (ft_cols at g up to 5; from 6 two passes of 2 keys x g,
+  ft_cols_h), its k loop(s) x hd/4 plus the rest of a 4-key iteration (zeroing, lane sums, stores); p x V,
+  pv_f16_neondot at g rows (up to 6: 16-value slices; 7 and 8: one tile of 8-value slices), its loop over
+  positions x the slices (a slice's accumulator loads and stores, per 256 keys, not counted); per score attn_task's
+  exp loop (4 lanes) and kq_max's loop (as a function of its own: attn_task unrolls it for a block's 256); its sums
+  and per-block bookkeeping not counted.
   GCC's code (bench/a76_float.py says why); the tiles called with the shape as constants, as a76_float's are.
 - llama.cpp 0.3.36, f16 K and V, one token. FA (ggml-cpu/ops.cpp ggml_compute_forward_flash_attn_ext_f16): the
   split-KV path from n_kv >= 512, each thread ceil(n_kv / threads) cache cells for every query head in turn (masked
@@ -107,6 +109,8 @@ def _wrappers_ours(geoms) -> str:
             f"{KV_BLOCK}); }}",
             f"__attribute__((flatten)) void ctx_pv_{hd}_{g}(const float *p, const uint8_t *V, float *o) {{\n"
             f"    pv_f16_neondot(p, {KV_BLOCK}, {g}, V, {KV_BLOCK}, {hd}, o, {hd}); }}"]
+    # the softmax's max as attn_task calls it (inlined there, and unrolled where the block's bound is known)
+    lines.append("float ctx_max(const float *p, int64_t n) { return kq_max(p, n); }")
     return "\n".join(lines) + "\n"
 
 
@@ -220,21 +224,32 @@ def measure(ggml: str | None, ours_src: str = a76_model.OURS_SRC, cores: int = 4
     funcs = mca.functions(mca.compile_asm(_wrappers_ours(geoms), [ours_src], flags=a76_model.OURS_FLAGS, gcc=True))
     for hd, g in geoms:
         loops, rest = nest(funcs[f"ctx_kq_{hd}_{g}"])
-        if sum(n for _, n in loops) != 4 * g * 4:  # each pass a k-step of 4 for 4 keys x its columns
+        if sum(n for _, n in loops) != 4 * g * 4:  # each pass (a 4-row tile, or each 2-row half) a k-step of 4
             raise ValueError(f"scores {hd}/{g}: {[n for _, n in loops]} lanes per step, not {4 * g * 4}")
         out[("score", hd, g)] = (hd / 4 * sum(c for c, _ in loops) + rest) / 4
         pv = [(_mca(lp), lanes(lp)) for lp in mca.innermost_loops(funcs[f"ctx_pv_{hd}_{g}"]) if lanes(lp)]
-        if sum(n for _, n in pv) != 16 * g:  # one position of a 16-value slice for each of the g rows
-            raise ValueError(f"p x V {hd}/{g}: {[n for _, n in pv]} lanes per position, not {16 * g}")
-        out[("pv", hd, g)] = hd / 16 * sum(c for c, _ in pv)
+        # one position of a column slice for each of the g rows, in passes of rows as tall as the tile: the slice
+        # (16 values, or 8 in the 8-row float16 tile) is lanes / g wide, and hd / that many slices make a key
+        width = sum(n for _, n in pv) // g
+        if sum(n for _, n in pv) % g or width not in (8, 16) or hd % width:
+            raise ValueError(f"p x V {hd}/{g}: {[n for _, n in pv]} lanes per position, not a slice of 8 or 16")
+        out[("pv", hd, g)] = hd / width * sum(c for c, _ in pv)
     ops = mca.functions(mca.compile_asm('#include "ops.c"\n', [ours_src], flags=a76_model.OURS_FLAGS, gcc=True))
     loops = mca.innermost_loops(mca.find_function(ops, "attn_task"))
-    exp = [lp for lp in loops if any(re.match(r"frintx\s+v\d+\.4s", ln) for ln in lp)]
-    mx = [lp for lp in loops if sum(ln.startswith("fcmpe") for ln in lp) >= 8 and lp not in exp]
+    # the vector exp: one 2^k per 4 scores, built by a shift of 23
+    exp_marks = [sum(bool(re.match(r"shl\s+v\d+\.4s, v\d+\.4s, 23", ln)) for ln in lp)
+                 for lp in loops]
+    exp = [lp for lp, k in zip(loops, exp_marks) if k]
+    scores = [4 * k for k in exp_marks if k]
+
+    def max_lanes(lp: list[str]) -> int:  # a compare per score (scalar) or fmaxnm's lanes
+        return sum(ln.startswith("fcmpe") or bool(re.match(r"fmaxnm\s+s", ln)) for ln in lp) + 4 * sum(
+            bool(re.match(r"fmaxnm\s+v\d+\.4s", ln)) for ln in lp)
+    mx = [lp for lp in mca.innermost_loops(funcs["ctx_max"]) if max_lanes(lp) >= 8]
+    mx = [min(mx, key=lambda lp: _mca(lp) / max_lanes(lp))] if mx else []  # branchy C: the path without a new max
     if len(exp) != 1 or len(mx) != 1:
         raise ValueError(f"attn_task: {len(exp)} vector exp loops, {len(mx)} max loops (expected one each)")
-    out["softmax"] = (_mca(exp[0]) / (4 * sum(ln.startswith("frintx") for ln in exp[0])) +  # 4 lanes per frintx
-                      _mca(mx[0]) / sum(ln.startswith("fcmpe") for ln in mx[0]))  # one compare per score
+    out["softmax"] = _mca(exp[0]) / scores[0] + _mca(mx[0]) / max_lanes(mx[0])
     if ggml:
         inc = [os.path.join(ggml, "src", "ggml-cpu"), os.path.join(ggml, "src"), os.path.join(ggml, "include")]
         lf = mca.functions(mca.compile_asm(LLAMA_CTX_WRAP, inc, cxx=True, flags=["-DNDEBUG"]))

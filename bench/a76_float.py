@@ -3,10 +3,11 @@ multi-token tiles) and attention's probability x value tiles over float16 and fl
 llama.cpp's equivalents on a Cortex-A76, through the same llvm-mca machinery (bench/a76_mca.py).
 
 Policy:
-- Ours: the dotprod level's float tiles (matmul_float.inc, 4 rows x NCF = 6 columns for F32, NCF16 = 5 for F16 and
-  BF16, f32 FMA chains; F16 and BF16 widened to f32 in registers: fcvtl, shll #16) and its probability x value tile (matmul_pv.inc, PVR = 6 rows x
-  PVC x 4 = 16 values, the f16 value rows widened), called with the shapes as constants (n = 2048, hd = 128,
-  256 positions per block as attn_task does).
+- Ours: the dotprod level's float tiles (matmul_float.inc, 4 rows x NCF = 6 columns for F32; F16 and BF16 from 6
+  columns on two passes of 2 rows x NCF16H = 8 columns, 4 rows x NCF16 = 5 below that; f32 FMA chains; F16 and
+  BF16 widened to f32 in registers: fcvtl, shll #16) and its probability x value tile (matmul_pv.inc, PVR = 6 rows
+  x PVC x 4 = 16 values; a float16 V from 7 rows on PVR16 = 8 rows x 8 values, the f16 value rows widened),
+  called with the shapes as constants (n = 2048, hd = 128, 256 positions per block as attn_task does).
 - llama.cpp on an A76 (fp16 vector arithmetic, no bf16, no SVE; 0.3.36's ggml-cpu): F32 and F16 prefill are
   llamafile's tinyBLAS gemm<4, 6> (sgemm.cpp; F16 as fp16 FMAs, `fmla v.8h`, the activations converted to f16),
   decode ggml_vec_dot_f32 / ggml_vec_dot_f16 (vec.cpp; f16 again in fp16 arithmetic); BF16 has no ARM tinyBLAS and
@@ -32,15 +33,17 @@ from __future__ import annotations
 import re
 
 FLOAT_QTYPES = ("F32", "F16", "BF16", "F16 cache", "F32 cache")
-NCF16 = 5  # matmul_neon.inc's columns per float tile of the 16-bit weight types (F32: 6)
+NCF16H = 8  # matmul_neon.inc's columns per pass of the 16-bit weight types' 2-row tiles (F32: 4 rows x 6)
+PVR16 = 8  # matmul_neon.inc's rows per float16 p x V tile (8 values wide; float32: 6 rows x 16 values)
 N, HD, BLOCK_KV = 2048, 128, 256
 
 _WF = "(const uint8_t *w, size_t rb, const void *a, float *o)"
 _PV = "(const float *p, const uint8_t *V, float *o)"
 OURS_FLOAT_CALLS = {
     **{f"dec_{t}": (_WF, f"{t}_neondot(w, rb, 0, 4, {N}, a, 0, 1, o, 4)") for t in ("f32", "f16", "bf16")},
-    **{f"pre_{t}": (_WF, f"{t}_neondot(w, rb, 0, 4, {N}, a, 0, 6, o, 4)") for t in ("f32", "f16", "bf16")},
-    "pv_f16": (_PV, f"pv_f16_neondot(p, {BLOCK_KV}, 6, V, {BLOCK_KV}, {HD}, o, {HD})"),
+    **{f"pre_{t}": (_WF, f"{t}_neondot(w, rb, 0, 4, {N}, a, 0, {6 if t == 'f32' else NCF16H}, o, 4)")
+       for t in ("f32", "f16", "bf16")},
+    "pv_f16": (_PV, f"pv_f16_neondot(p, {BLOCK_KV}, {PVR16}, V, {BLOCK_KV}, {HD}, o, {HD})"),
     "pv_f32": (_PV, f"pv_f32_neondot(p, {BLOCK_KV}, 6, V, {BLOCK_KV}, {HD}, o, {HD})"),
 }
 
@@ -67,10 +70,10 @@ def float_kernels(k):
         peer = {"F32": "ggml_vec_dot_f32", "F16": "ggml_vec_dot_f16", "BF16": "ggml_vec_dot_bf16"}[q]
         how = {"F32": "f32 FMA", "F16": "fp16 FMA", "BF16": "widen, fmul, f64 sum"}[q]
         out.append(k("llama.cpp", "decode", q, f"rows in place, {how}", "vec.cpp", peer, 1, 1, 4))
-        cols = 6 if q == "F32" else NCF16  # matmul_neon.inc: NCF, NCF16
-        widened = "" if q == "F32" else ", widened"
+        rows, cols = (4, 6) if q == "F32" else (2, NCF16H)  # matmul_neon.inc: NCF; NCF16H (a pass of 2 rows)
+        widened = "" if q == "F32" else ", 2 passes of 2 rows, widened"
         out.append(k("ours", "prefill", q, f"rows in place, {cols} columns{widened}, f32 FMA, GCC", "ours",
-                     f"mca_pre_{t}", 4, cols, 4))
+                     f"mca_pre_{t}", rows, cols, 4))
         if q == "BF16":
             out.append(k("llama.cpp", "prefill", q, "rows in place, 1 column (no ARM tinyBLAS)", "vec.cpp", peer,
                          1, 1, 4))
@@ -78,8 +81,8 @@ def float_kernels(k):
             out.append(k("llama.cpp", "prefill", q, f"tinyBLAS 4x6, {'fp16' if q == 'F16' else 'f32'} FMA",
                          "sgemm.cpp", TINYBLAS_F16 if q == "F16" else TINYBLAS_F32, 4, 6, 4))
     out += [
-        k("ours", "attention p x V", "F16 cache", "6 rows x 16 values, widened, f32 FMA, GCC", "ours", "mca_pv_f16",
-          6, 16, 1),
+        k("ours", "attention p x V", "F16 cache", f"{PVR16} rows x 8 values, widened, f32 FMA, GCC", "ours",
+          "mca_pv_f16", PVR16, 8, 1),
         k("llama.cpp", "attention p x V", "F16 cache", "1 row (decode), fp16 accumulator", "llama_wrap",
           "mca_vec_mad_f16", 1, 8, 1),
         k("llama.cpp", "attention p x V", "F16 cache", "simd_gemm 2x2 vectors (prefill; V as f32 first)",

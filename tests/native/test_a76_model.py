@@ -88,7 +88,8 @@ def test_every_kernel_of_ours_gets_a_positive_cost(ours):
     by = {k.func: r for k, r in res.items()}
     # the in-place decode columns step over two blocks (matmul_neon_col.inc)
     assert by["mca_dec_q8_0"]["blocks"] == 2 and by["mca_dec_q4_0"]["blocks"] == 2
-    # the float tiles: one pass of 4 rows x 6 columns (24 FMAs) per k-step, p x V 6 rows x 16 values (GCC's code)
+    # the float tiles: a pass of 4 rows x 6 columns (F32) or 2 rows x 8 (F16, BF16) per k-step, p x V 6 rows x 16
+    # values (F32) or 8 x 8 (F16; GCC's code)
     assert all(by[f"mca_pre_{t}"]["blocks"] == 1 for t in ("f32", "f16", "bf16"))
     assert by["mca_pv_f16"]["blocks"] == 1 and by["mca_pv_f32"]["blocks"] == 1
 

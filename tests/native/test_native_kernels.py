@@ -148,12 +148,14 @@ def test_float_matmul_column_does_not_depend_on_batch(qtype, level):
 def test_attention_matches_twin_and_rows_do_not_depend_on_chunking(kv_dtype, level):
     """kq_attention (score tiles, online softmax, probability x value tiles reading the cache as stored) equals
     the numpy twin at every SIMD level: head sizes that are whole value slices (64, 128) and not (24, 80: the
-    scalar column tail), row counts (query heads x tokens) that leave every partial tile, keys across blocks of
-    256; and a query's row is bit-identical whether its token is computed alone, in a chunk or in the whole."""
+    scalar column tail; 40 with 18 rows: NEON's 8-row float16 tile, whose 8-wide slices reach columns 32-39 that
+    a token alone (2 rows) takes in its 16-wide tile's last slice), row counts (query heads x tokens) that leave
+    every partial tile, keys across blocks of 256; and a query's row is bit-identical whether its token is
+    computed alone, in a chunk or in the whole."""
     kernels.set_simd_level(level)
     rng = np.random.default_rng(70 + level)
     for T, S, H, KV, hd in [(1, 1, 2, 1, 64), (1, 300, 4, 2, 128), (7, 530, 6, 2, 80), (3, 11, 5, 5, 24),
-                            (11, 700, 8, 2, 64), (2, 257, 14, 2, 128)]:
+                            (11, 700, 8, 2, 64), (2, 257, 14, 2, 128), (9, 300, 4, 2, 40)]:
         L = S + 5
         q = rng.standard_normal((T, H, hd)).astype(np.float32)
         kc, vc = (rng.standard_normal((2, KV, L, hd)) * 2).astype(kv_dtype)

@@ -99,34 +99,64 @@ void kq_kernels_neondot(kq_kernels *k);
 #define KQ_CLONES
 #endif
 
+/* `a > b ? a : b` and `a < b ? a : b` for a non-NaN b (so a NaN a gives b): on aarch64 C's fmaxf / fminf, one
+ * instruction each (fmaxnm / fminnm) that vectorizes, where GCC turns the comparisons into compare-and-select
+ * sequences several times as long; on x86-64 the comparisons, which are maxps / minps. The two differ only in which
+ * zero max(+0, -0) returns, and the softmax and exp only subtract the max or clamp with it, where the sign of a zero
+ * never reaches a result. */
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#define KQ_FMAX(a, b) __builtin_fmaxf(a, b)
+#define KQ_FMIN(a, b) __builtin_fminf(a, b)
+#else
+#define KQ_FMAX(a, b) ((a) > (b) ? (a) : (b))
+#define KQ_FMIN(a, b) ((a) < (b) ? (a) : (b))
+#endif
+
 /* exp(x) for the softmax and SiLU: Cephes' expf polynomial (about 1 ulp), written so loops vectorize. The clamp
- * sends NaN to the low end (the float -> int conversion below is undefined for NaN: UBSan's "left shift of
- * negative value"); the result is NaN again for a NaN x, like expf. */
+ * sends NaN to the low end; the result is NaN again for a NaN x, like expf. k = rint(x log2 e) is rounded by
+ * adding 1.5 * 2^23 (|x log2 e| <= 128 after the clamp, so the sum's last place is 1 and round-to-nearest-even
+ * is rint's rounding), and 2^k is built from the sum's own bits: plain adds and shifts on both pipes of a NEON
+ * core, where frintx and the float -> int conversion each hold one pipe for two cycles (bench/a76_context.py). */
 static inline float kq_expf(float x) {
     const float xin = x;
-    x = x > -87.3f ? x : -87.3f;
-    x = x < 88.7f ? x : 88.7f;
-    float k = __builtin_rintf(x * 1.44269504088896341f);
+    x = KQ_FMAX(x, -87.3f);
+    x = KQ_FMIN(x, 88.7f);
+    const float t = x * 1.44269504088896341f + 12582912.0f, k = t - 12582912.0f; /* k = rint(x log2 e) */
     float r = (x - k * 0.693359375f) - k * -2.12194440e-4f;
     float y = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r +
                1.6666665459e-1f) * r + 5.0000001201e-1f;
     y = y * (r * r) + r + 1.0f;
-    int32_t e = ((int32_t)k + 127) << 23;
+    uint32_t e;
     float sc;
+    memcpy(&e, &t, 4);
+    e = (e + (127u - 0x4B400000u)) << 23; /* t's bits are 0x4B400000 + k: 2^k */
     memcpy(&sc, &e, 4);
     return xin != xin ? xin : y * sc;
 }
 
 /* Softmax pieces (vision and decoder attention): the max of p[0..n), and p[i] = exp(p[i] (* scale) - mx) returning
- * their sum; 16 lanes (then the tail, then the lanes), so the reductions vectorize. */
+ * their sum; 16 lanes, then the lanes' result, then the tail, so the reductions vectorize. */
 static inline float kq_max(const float *p, int64_t n) {
-    float m16[16], mx = -__builtin_inff();
-    for (int j = 0; j < 16; j++) m16[j] = -__builtin_inff();
+    float mx = -__builtin_inff();
     int64_t i = 0;
+#if defined(__aarch64__) /* GCC leaves the 16 lanes below as 16 scalar fmaxnm there: four vectors instead */
+    float32x4_t m0 = vdupq_n_f32(mx), m1 = m0, m2 = m0, m3 = m0;
+    for (; i + 16 <= n; i += 16) {
+        m0 = vmaxnmq_f32(m0, vld1q_f32(p + i));
+        m1 = vmaxnmq_f32(m1, vld1q_f32(p + i + 4));
+        m2 = vmaxnmq_f32(m2, vld1q_f32(p + i + 8));
+        m3 = vmaxnmq_f32(m3, vld1q_f32(p + i + 12));
+    }
+    mx = vmaxnmvq_f32(vmaxnmq_f32(vmaxnmq_f32(m0, m1), vmaxnmq_f32(m2, m3)));
+#else
+    float m16[16];
+    for (int j = 0; j < 16; j++) m16[j] = -__builtin_inff();
     for (; i + 16 <= n; i += 16)
-        for (int j = 0; j < 16; j++) m16[j] = p[i + j] > m16[j] ? p[i + j] : m16[j];
-    for (; i < n; i++) mx = p[i] > mx ? p[i] : mx;
-    for (int j = 0; j < 16; j++) mx = m16[j] > mx ? m16[j] : mx;
+        for (int j = 0; j < 16; j++) m16[j] = KQ_FMAX(p[i + j], m16[j]);
+    for (int j = 0; j < 16; j++) mx = KQ_FMAX(m16[j], mx);
+#endif
+    for (; i < n; i++) mx = KQ_FMAX(p[i], mx);
     return mx;
 }
 

@@ -10,9 +10,10 @@
  * the one -O3 build is the NEON version: gcc 12.2 for aarch64 with the library's flags vectorises these loops to
  * 4-lane float ops (aarch64-linux-gnu-objdump -d of ops.o: kq_rms_norm's sum of squares and scaling fmul/fadd
  * v.4s; kq_rope fmul/fsub/fadd v.4s; kq_swiglu 127 of 408 instructions vector, the kq_expf polynomial as
- * fmul/frintx/fcvtzs v.4s; attn_task 238 of 1299, the max / exp-sum / rescale passes). A hand-written NEON copy
- * would issue the same instructions (no FMA contraction either way: -ffp-contract=off), so none is kept; the
- * system test tests/system/test_native_qemu_aarch64.py checks the vector code is still there. */
+ * fmul/fadd/shl v.4s; attn_task 238 of 1299, the max / exp-sum / rescale passes). A hand-written NEON copy
+ * would issue the same instructions (no FMA contraction either way: -ffp-contract=off), so none is kept (kq_max,
+ * kq_internal.h, is the exception: GCC left its lanes scalar); the system test tests/system/test_native_qemu_aarch64.py
+ * checks the vector code is still there. */
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
