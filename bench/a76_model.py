@@ -3,6 +3,7 @@ Cortex-A55 (llvm-mca over the inner loops clang makes of them, bench/a76_mca.py)
 tok/s those cycles and the board's memory bandwidth predict per model shape.
 
     python bench/a76_model.py [--quick] [--llama-src DIR] [--bw 20] [--ghz 2.4] [--cores 4]
+    (then bench/a76_context.py's decode at context and bench/a76_vision.py's vision towers, unless --no-context)
 
 Policy:
 - Ours: the tile kernels of the dotprod level (matmul_neon.c, `*_neondot`), called by `flatten` wrappers with
@@ -374,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bw", type=float, default=20.0, help="board read bandwidth, GB/s")
     ap.add_argument("--ghz", type=float, default=2.4)
     ap.add_argument("--cores", type=int, default=4)
-    ap.add_argument("--no-context", action="store_true", help="without bench/a76_context.py's decode-at-context table")
+    ap.add_argument("--no-context", action="store_true", help="without the decode-at-context and vision tables")
     a = ap.parse_args(argv)
     kernels = [k for k in KERNELS if k.func in QUICK] if a.quick else KERNELS
     ggml = None if a.quick else llama_src(a.llama_src)
@@ -389,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     if not (a.quick or a.no_context):
         import a76_context  # imports this module: only here
         print("\n" + a76_context.context_report(res, board, a76_context.measure(ggml, a.ours_src, a.cores)))
+        import a76_vision  # imports this module: only here
+        print("\n" + a76_vision.vision_report(res, board))
     return 0
 
 

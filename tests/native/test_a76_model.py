@@ -179,3 +179,36 @@ def test_attention_kernels_get_costs_that_amortise_over_the_group():
     if "dot" in c:  # the peer's source was there
         assert c["dot"][1] == c["mad"][1] == 32 and 0 < ctx._call(c["dot"], hd) < ctx._call(c["dot"], 2 * hd)
         assert c["soft_max"] > 0
+
+
+# ---- bench/a76_vision.py: the vision tower's encode ----
+
+def test_vision_tower_multiply_adds_follow_the_2b_widths():
+    import a76_vision as vis
+    import vision_bench
+    m = vis.tower_macs(vision_bench.SHAPES["2b"]["vision"], 448)
+    # 784 patches: the patch embedding 1536 -> 1024, 24 blocks of 12.58 M multiply-adds a patch (qkv 3.15 M, proj
+    # 1.05 M, fc1 + fc2 8.39 M), the merger and 3 DeepStack mergers on 196 tokens (4096 -> 4096 -> 2048: 25.2 M)
+    assert m["patches"] == 784
+    assert m["weights"] == 784 * 1536 * 1024 + 24 * 784 * 12_582_912 + 4 * 196 * 25_165_824 == 257_723_203_584
+    assert m["attention"] == 24 * 2 * 784 * 784 * 1024  # scores and probability x value, full attention
+
+
+def test_vision_encode_is_priced_by_the_mmproj_type():
+    import a76_vision as vis
+    import vision_bench
+    v = vision_bench.SHAPES["2b"]["vision"]
+    costs = {(s, "prefill", q): c for s in vis.SIDES for q, c in (("F16", 6.0), ("Q8_0", 2.0), ("F32", 4.0))}
+    f16, q8 = (vis.encode_seconds(costs, v, q, "ours", BOARD) for q in ("F16", "Q8_0"))
+    assert abs(f16["weights_s"] - 3 * q8["weights_s"]) < 1e-9 and f16["attention_s"] == q8["attention_s"]
+    # 257.7 GMAC at 6 cycles per 32 on 4 x 2.4 GHz: 5.03 s
+    assert 5.0 < f16["weights_s"] < 5.1
+
+
+def test_vision_report_prices_our_towers_from_the_kernel_table(ours):
+    import a76_vision as vis
+    rows = [ln for ln in vis.vision_report(ours, BOARD).splitlines() if ln.startswith("| Qwen3-VL")]
+    # our rows for both towers and both mmproj types (llama.cpp's need its source: not measured in `ours`)
+    assert len(rows) == 4 and all("| ours |" in r for r in rows)
+    secs = [float(r.split("|")[7]) for r in rows]
+    assert all(s > 0 for s in secs) and secs[0] > secs[1]  # the 2B's F16 tower slower than its Q8_0 one
