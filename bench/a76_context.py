@@ -236,11 +236,9 @@ def measure(ggml: str | None, ours_src: str = a76_model.OURS_SRC, cores: int = 4
         out[("pv", hd, g)] = hd / width * sum(c for c, _ in pv)
     ops = mca.functions(mca.compile_asm('#include "ops.c"\n', [ours_src], flags=a76_model.OURS_FLAGS, gcc=True))
     loops = mca.innermost_loops(mca.find_function(ops, "attn_task"))
-    # the vector exp: one 2^k per 4 scores, built by a shift of 23
-    exp_marks = [sum(bool(re.match(r"shl\s+v\d+\.4s, v\d+\.4s, 23", ln)) for ln in lp)
-                 for lp in loops]
-    exp = [lp for lp, k in zip(loops, exp_marks) if k]
-    scores = [4 * k for k in exp_marks if k]
+    def exp_scores(lp: list[str]) -> int:  # the vector exp: one 2^k per 4 scores, built by a shift of 23
+        return 4 * sum(bool(re.match(r"shl\s+v\d+\.4s, v\d+\.4s, 23", ln)) for ln in lp)
+    exp = [lp for lp in loops if exp_scores(lp)]
 
     def max_lanes(lp: list[str]) -> int:  # a compare per score (scalar) or fmaxnm's lanes
         return sum(ln.startswith("fcmpe") or bool(re.match(r"fmaxnm\s+s", ln)) for ln in lp) + 4 * sum(
@@ -249,7 +247,7 @@ def measure(ggml: str | None, ours_src: str = a76_model.OURS_SRC, cores: int = 4
     mx = [min(mx, key=lambda lp: _mca(lp) / max_lanes(lp))] if mx else []  # branchy C: the path without a new max
     if len(exp) != 1 or len(mx) != 1:
         raise ValueError(f"attn_task: {len(exp)} vector exp loops, {len(mx)} max loops (expected one each)")
-    out["softmax"] = _mca(exp[0]) / scores[0] + _mca(mx[0]) / max_lanes(mx[0])
+    out["softmax"] = _mca(exp[0]) / exp_scores(exp[0]) + _mca(mx[0]) / max_lanes(mx[0])
     if ggml:
         inc = [os.path.join(ggml, "src", "ggml-cpu"), os.path.join(ggml, "src"), os.path.join(ggml, "include")]
         lf = mca.functions(mca.compile_asm(LLAMA_CTX_WRAP, inc, cxx=True, flags=["-DNDEBUG"]))

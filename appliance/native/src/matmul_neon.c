@@ -14,6 +14,7 @@ static inline int32x4_t dot16_mull(int32x4_t acc, int8x16_t a, int8x16_t b) {
 
 /* Scheduling fences: the sums given are complete before any later load. Without them clang and GCC hoist a tile's
  * loads and products across its steps and spill (bench/a76_model.py: the x8 and k_cols passes). */
+#define VFENCE1(a) __asm__ volatile("" : "+w"(a) :: "memory")
 #define VFENCE2(a, b) __asm__ volatile("" : "+w"(a), "+w"(b) :: "memory")
 #define VFENCE4(a, b, c, d) __asm__ volatile("" : "+w"(a), "+w"(b), "+w"(c), "+w"(d) :: "memory")
 
